@@ -1,0 +1,30 @@
+"""`python -m proxy --host H --port P --upstream URL --model-dir DIR --model-name NAME [--api-key-file F]
+[--redis-url URL]`: the command `hyperharness serve` runs."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from proxy.app import create_app
+from proxy.settings import Settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = Settings.from_argv(argv)
+        settings.check_exposure()
+    except ValueError as exc:
+        print(f"proxy: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    # One worker: transcripts of the embedded store live in this process (Redis lifts that limit).
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""`create_app(settings)` builds the FastAPI app; routes are thin and call the core.
+
+Wiring happens in the lifespan (the aiohttp session needs the running loop); tests inject an
+`Upstream` (and later a store / chat format) instead. Nothing is created at import.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from proxy.auth import BearerAuth
+from proxy.errors import InvalidRequest, NotFound, ProxyError, error_body
+from proxy.metrics import Metrics
+from proxy.settings import Settings
+from proxy.upstream import Upstream, forward_headers
+
+log = logging.getLogger("proxy")
+
+_SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+@dataclass
+class Services:
+    """What the routes use; built in the lifespan unless injected."""
+
+    settings: Settings
+    metrics: Metrics
+    upstream: Upstream | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def up(self) -> Upstream:
+        if self.upstream is None:
+            raise ProxyError("proxy is starting")
+        return self.upstream
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    return Response(json.dumps(data, separators=(",", ":")), status_code=status, media_type="application/json")
+
+
+def error_response(exc: ProxyError) -> Response:
+    return json_response(exc.body(), exc.status)
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def create_app(settings: Settings, *, upstream: Upstream | None = None) -> FastAPI:
+    metrics = Metrics()
+    services = Services(settings=settings, metrics=metrics, upstream=upstream)
+    owns_upstream = upstream is None
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if owns_upstream:
+            services.upstream = Upstream.open(settings.upstream, timeout_s=settings.upstream_timeout_s)
+        try:
+            yield
+        finally:
+            if owns_upstream and services.upstream is not None:
+                await services.upstream.close()
+
+    app = FastAPI(title="HyperHarness proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.services = services
+
+    @app.exception_handler(ProxyError)
+    async def _proxy_error(_: Request, exc: ProxyError) -> Response:
+        metrics.requests.labels("error", str(exc.status)).inc()
+        return error_response(exc)
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, _: Exception) -> Response:
+        return error_response(NotFound(f"no route {request.method} {request.url.path}"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        # Healthy only when the engine is: the launcher waits on this before printing the URL.
+        try:
+            await services.up().get_text("/health")
+        except ProxyError as exc:
+            return json_response({"status": "unavailable", "detail": exc.message}, 503)
+        return json_response({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        info = await services.up().model()
+        entry = {
+            "id": settings.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "hyperharness",
+            "max_model_len": info.max_model_len,
+            "context_length": info.max_model_len,
+            "context_window": info.max_model_len,
+        }
+        return json_response({"object": "list", "data": [entry]})
+
+    @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def passthrough(path: str, request: Request) -> Response:
+        return await relay(services, request, "/v1/" + path)
+
+    return _with_auth(app, settings)
+
+
+async def relay(services: Services, request: Request, path: str) -> Response:
+    """Forward a request to vLLM unchanged except for the model id, streaming the answer back."""
+    started = time.perf_counter()
+    upstream = services.up()
+    raw = await request.body()
+    if raw and request.method == "POST":
+        body = await read_json(request)
+        if "model" in body:
+            body["model"] = (await upstream.model()).upstream_id
+        raw = json.dumps(body).encode()
+    query = ("?" + request.url.query) if request.url.query else ""
+    headers = forward_headers(request.headers)
+    resp = await upstream.relay(request.method, path + query, headers=headers, body=raw or None)
+    route = "passthrough"
+
+    async def body_iter() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in resp.chunks():
+                yield chunk
+        finally:
+            services.metrics.latency.labels(route).observe(time.perf_counter() - started)
+
+    services.metrics.requests.labels(route, str(resp.status)).inc()
+    out_headers = dict(resp.headers)
+    media = out_headers.pop("Content-Type", None) or out_headers.pop("content-type", None)
+    if media and media.startswith("text/event-stream"):
+        out_headers.update(_SSE_HEADERS)
+    return StreamingResponse(body_iter(), status_code=resp.status, headers=out_headers, media_type=media)
+
+
+def _with_auth(app: FastAPI, settings: Settings) -> FastAPI:
+    if settings.api_key:
+        app.add_middleware(BearerAuth, api_key=settings.api_key)
+    return app
+
+
+__all__ = ["create_app", "error_body"]
