@@ -1,0 +1,161 @@
+"""Request normalization: each quirk a named function, applied by `normalize()` in order.
+
+Why each exists (shared/research/harnesses.md §4, proxy_anchors.md §6): harnesses send `developer`
+for system (Pi), reasoning under either name (Pi: as received; DSH: `reasoning_content`), tool-call
+arguments as JSON strings that clients re-serialize, OpenAI-only fields vLLM does not know, and
+`max_tokens` larger than the room left, which must be capped rather than reported as an overflow.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.errors import ContextLengthExceeded, InvalidRequest
+from proxy.protocol import ChatRequest
+
+# Sampling fields forwarded to vLLM /v1/completions; everything else is dropped (store, metadata,
+# prompt_cache_key, prompt_cache_retention, service_tier, parallel_tool_calls, ...).
+SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "seed", "stop", "logprobs", "top_logprobs",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class NormalizedChat:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    template_kwargs: dict[str, Any]
+    sampling: dict[str, Any]
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    tool_choice: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def developer_to_system(message: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's `developer` role is a system message to every open-weight template."""
+    if message.get("role") == "developer":
+        return {**message, "role": "system"}
+    return message
+
+
+def unify_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """One field for reasoning: `reasoning_content` (what the Qwen3.x template reads); vLLM's output
+    name `reasoning` is accepted as an alias and removed."""
+    if "reasoning" not in message:
+        return message
+    out = dict(message)
+    alias = out.pop("reasoning")
+    if out.get("reasoning_content") is None and alias is not None:
+        out["reasoning_content"] = alias
+    return out
+
+
+def canonical_tool_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """Tool-call arguments as objects, as vLLM's chat path does before templating: a JSON string is
+    parsed (so re-serialized spacing or key escaping cannot change the render), empty means `{}`."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not calls:
+        return message
+    fixed = []
+    for call in calls:
+        fn = dict(call.get("function") or {})
+        args = fn.get("arguments")
+        if not args:
+            fn["arguments"] = {}
+        elif isinstance(args, str):
+            try:
+                fn["arguments"] = json.loads(args)
+            except ValueError as exc:
+                raise InvalidRequest(
+                    f"tool call {call.get('id')!r} arguments are not valid JSON: {args[:80]!r}",
+                    param="messages.tool_calls.function.arguments",
+                ) from exc
+        fixed.append({**call, "function": fn})
+    return {**message, "tool_calls": fixed}
+
+
+def stable_tool_definitions(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Tools as rendered: `strict` dropped (OpenAI-only); order and key order kept as sent, since that
+    is what the template (and vLLM) render. Identity uses `tools_key`, which is order-insensitive."""
+    if not tools:
+        return None
+    out = []
+    for tool in tools:
+        fn = {k: v for k, v in tool.get("function", {}).items() if k != "strict"}
+        out.append({**{k: v for k, v in tool.items() if k != "strict"}, "function": fn})
+    return out
+
+
+def tools_key(tools: list[dict[str, Any]] | None) -> str:
+    """Canonical serialization of tool definitions: sorted keys, compact, so re-ordered keys match."""
+    return json.dumps(tools or [], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def thinking_kwargs(req: ChatRequest, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """Template kwargs with one thinking switch, from any of the ways harnesses say it:
+    `chat_template_kwargs.enable_thinking`, `reasoning_effort: none|minimal`, `thinking: {type: disabled}`,
+    `think: false` (Ollama style)."""
+    kwargs = dict(defaults)
+    extra = req.model_extra or {}
+    if req.reasoning_effort is not None:
+        kwargs["enable_thinking"] = req.reasoning_effort not in ("none", "minimal")
+    thinking = extra.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
+        kwargs["enable_thinking"] = thinking["type"] == "enabled"
+    if isinstance(extra.get("think"), bool):
+        kwargs["enable_thinking"] = extra["think"]
+    if req.chat_template_kwargs:
+        kwargs.update(req.chat_template_kwargs)
+    return kwargs
+
+
+def drop_unsupported_fields(req: ChatRequest) -> dict[str, Any]:
+    """Only the sampling fields vLLM's completions endpoint understands survive."""
+    sampling = {}
+    for name in SAMPLING_FIELDS:
+        value = getattr(req, name)
+        if value is not None:
+            sampling[name] = value
+    if sampling.get("logprobs") is True:
+        sampling["logprobs"] = sampling.pop("top_logprobs", 0) or 0
+    else:
+        sampling.pop("logprobs", None)
+        sampling.pop("top_logprobs", None)
+    return sampling
+
+
+def cap_max_tokens(requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
+    """The output budget: the room left in the context, or less if asked. Only a prompt that does not
+    fit at all is an overflow (and only then says "maximum context length is N tokens")."""
+    room = max_model_len - prompt_tokens
+    if room <= 0:
+        raise ContextLengthExceeded(max_model_len, prompt_tokens)
+    if requested is None or requested > room:
+        return room
+    return max(requested, 1)
+
+
+def normalize(req: ChatRequest, template_defaults: Mapping[str, Any]) -> NormalizedChat:
+    messages = []
+    for msg in req.messages:
+        raw = msg.model_dump(exclude_unset=True)
+        messages.append(canonical_tool_arguments(unify_reasoning(developer_to_system(raw))))
+    tools = stable_tool_definitions([t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return NormalizedChat(
+        messages=messages,
+        tools=tools,
+        template_kwargs=thinking_kwargs(req, template_defaults),
+        sampling=drop_unsupported_fields(req),
+        max_tokens=requested,
+        stream=req.stream,
+        include_usage=include_usage,
+        tool_choice=req.tool_choice,
+    )

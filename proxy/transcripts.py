@@ -1,0 +1,191 @@
+"""Token-exact session transcripts: what was sent and generated, and how the next request extends it.
+
+A `Snapshot` is one finished response: the exact prompt ids plus the generated ids, the keys of the
+messages the prompt covered, and the key of the reply. When a request arrives, `match()` looks for a
+snapshot whose messages are the request's first messages and whose reply is the next message; then the
+new prompt is `snapshot.ids + render_continuation(rest)` and starts, token for token, with what the
+engine already has (the append-only invariant). Anything else is a divergence with a reason.
+
+Message keys are tolerant where harnesses are sloppy and strict where content changed:
+- assistant reasoning is ignored (Hermes strips it, Pi renames it; we splice the ids we generated),
+- tool-call arguments compare as canonical JSON (clients re-serialize them),
+- content compares with surrounding whitespace stripped and text parts joined.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _canon(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def content_text(content: Any) -> str:
+    """Text of a message content (string or list of parts); non-text parts by canonical JSON."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content.strip()
+    parts = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "text":
+            parts.append(str(part.get("text") or ""))
+        else:
+            parts.append(_canon(part))
+    return "".join(parts).strip()
+
+
+def _args(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def tool_calls_key(calls: Sequence[dict[str, Any]] | None) -> list[list[Any]]:
+    out = []
+    for call in calls or ():
+        fn = call.get("function") or {}
+        out.append([fn.get("name"), _args(fn.get("arguments"))])
+    return out
+
+
+def message_key(message: dict[str, Any]) -> str:
+    """Identity of a message for matching; see the module docstring for what is tolerated."""
+    role = message.get("role")
+    if role == "developer":
+        role = "system"
+    parts: list[Any] = [role, content_text(message.get("content"))]
+    if role == "assistant":
+        parts.append(tool_calls_key(message.get("tool_calls")))
+    elif role == "tool":
+        parts.append(message.get("tool_call_id") or "")
+    if message.get("name"):
+        parts.append(message["name"])
+    return hashlib.blake2b(_canon(parts).encode(), digest_size=12).hexdigest()
+
+
+def context_key(tools_key: str, template_kwargs: dict[str, Any]) -> str:
+    return hashlib.blake2b((tools_key + "\x00" + _canon(template_kwargs)).encode(), digest_size=12).hexdigest()
+
+
+def new_snapshot_id() -> str:
+    # Time first, so sorting ids orders snapshots by age (the stores evict the oldest).
+    return f"{time.time_ns():016x}{os.urandom(4).hex()}"
+
+
+@dataclass(slots=True)
+class Snapshot:
+    ids: array  # array('I'): prompt ids then generated ids, exactly as the engine saw/produced them
+    prompt_len: int
+    msg_keys: list[str]  # keys of the request messages the prompt covered
+    msg_ends: list[int]  # token offset (in ids) where each covered message's span ends; may be empty
+    reply_key: str  # message_key of the generated assistant message
+    context: str  # context_key: tools + template kwargs
+    finish_reason: str
+    snapshot_id: str = field(default_factory=new_snapshot_id)
+    parent_id: str | None = None
+
+    def to_bytes(self) -> bytes:
+        header = {
+            "p": self.prompt_len, "k": self.msg_keys, "e": self.msg_ends, "r": self.reply_key,
+            "c": self.context, "f": self.finish_reason, "i": self.snapshot_id, "pa": self.parent_id,
+        }
+        head = json.dumps(header, separators=(",", ":")).encode()
+        ids = self.ids if self.ids.itemsize == 4 else array("I", self.ids)
+        return len(head).to_bytes(4, "little") + head + ids.tobytes()
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> Snapshot:
+        n = int.from_bytes(blob[:4], "little")
+        h = json.loads(blob[4 : 4 + n])
+        ids = array("I")
+        ids.frombytes(blob[4 + n :])
+        return cls(ids=ids, prompt_len=h["p"], msg_keys=h["k"], msg_ends=h["e"], reply_key=h["r"],
+                   context=h["c"], finish_reason=h["f"], snapshot_id=h["i"], parent_id=h.get("pa"))
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """Outcome of matching a request against a session's snapshots.
+
+    `snapshot` set and `reason` None: splice; render only `messages[new_from:]` after `snapshot.ids`.
+    `reason` set: divergence (fresh render); `snapshot` is the closest one, for accounting, and
+    `shared_tokens` the length of its ids covered by messages the request still carries unchanged.
+    """
+
+    snapshot: Snapshot | None
+    new_from: int = 0
+    reason: str | None = None
+    shared_tokens: int = 0
+
+
+def _shared_prefix(snapshot: Snapshot, keys: list[str]) -> tuple[int, int]:
+    """(number of leading request messages equal to the snapshot's, tokens they cover in its ids)."""
+    n = 0
+    for a, b in zip(snapshot.msg_keys, keys):
+        if a != b:
+            break
+        n += 1
+    if n == len(snapshot.msg_keys) and len(keys) > n and keys[n] == snapshot.reply_key:
+        return n + 1, len(snapshot.ids)
+    tokens = snapshot.msg_ends[n - 1] if n and len(snapshot.msg_ends) >= n else 0
+    return n, tokens
+
+
+def match(snapshots: Sequence[Snapshot], messages: list[dict[str, Any]], context: str) -> Match:
+    """Find the snapshot this request extends (newest first); else the best divergence reason."""
+    if not snapshots:
+        return Match(snapshot=None, reason=None)
+    keys = [message_key(m) for m in messages]
+    best: Match | None = None
+    for snap in snapshots:
+        k = len(snap.msg_keys)
+        n, shared = _shared_prefix(snap, keys)
+        if snap.context != context:
+            reason = "tools_or_options_changed"
+        elif n == k + 1 and len(keys) > k + 1:
+            return Match(snapshot=snap, new_from=k + 1)
+        elif n == k + 1:
+            reason = "no_new_messages"  # the request ends with our reply (a prefill) or repeats it
+        elif n == k and len(keys) > k:
+            reason = "reply_changed" if messages[k].get("role") == "assistant" else "reply_missing"
+        elif len(keys) <= n:
+            reason = "history_truncated"  # a compaction or a retry of an earlier turn
+        else:
+            reason = "history_edited"
+        if best is None or shared > best.shared_tokens:
+            best = Match(snapshot=snap, reason=reason, shared_tokens=shared)
+    return best if best is not None else Match(snapshot=None)
+
+
+def _as_bytes(ids: Sequence[int]) -> bytes:
+    arr = ids if isinstance(ids, array) and ids.typecode == "I" else array("I", ids)
+    return arr.tobytes()
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common token prefix. Compares 8 KB byte slices (memcmp) and walks ids only inside
+    the first differing slice, so long transcripts stay cheap; used for divergence accounting."""
+    ab, bb = _as_bytes(a), _as_bytes(b)
+    n = min(len(ab), len(bb))
+    step = 8192
+    i = 0
+    while i < n:
+        j = min(i + step, n)
+        if ab[i:j] != bb[i:j]:
+            for k in range(i, j):
+                if ab[k] != bb[k]:
+                    return k // 4
+        i = j
+    return n // 4

@@ -1,0 +1,112 @@
+"""Each normalization is a named function; each gets its test. Plus request validation (400s)."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.errors import ContextLengthExceeded, InvalidRequest
+from proxy.normalize import (
+    canonical_tool_arguments,
+    cap_max_tokens,
+    developer_to_system,
+    drop_unsupported_fields,
+    normalize,
+    stable_tool_definitions,
+    thinking_kwargs,
+    tools_key,
+    unify_reasoning,
+)
+from proxy.protocol import parse_chat_request
+
+pytestmark = pytest.mark.unit
+
+
+def req(**kw):  # type: ignore[no-untyped-def]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
+    return parse_chat_request(body)
+
+
+def test_developer_to_system() -> None:
+    assert developer_to_system({"role": "developer", "content": "x"}) == {"role": "system", "content": "x"}
+    assert developer_to_system({"role": "user", "content": "x"})["role"] == "user"
+
+
+def test_unify_reasoning() -> None:
+    assert unify_reasoning({"role": "assistant", "reasoning": "r"}) == {"role": "assistant", "reasoning_content": "r"}
+    both = unify_reasoning({"role": "assistant", "reasoning": "a", "reasoning_content": "b"})
+    assert both == {"role": "assistant", "reasoning_content": "b"}
+
+
+def test_canonical_tool_arguments() -> None:
+    msg = {"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"b": 1, "a": "x"}'}},
+        {"id": "2", "type": "function", "function": {"name": "g", "arguments": ""}},
+    ]}
+    out = canonical_tool_arguments(msg)
+    assert out["tool_calls"][0]["function"]["arguments"] == {"b": 1, "a": "x"}
+    assert list(out["tool_calls"][0]["function"]["arguments"]) == ["b", "a"]  # order as sent
+    assert out["tool_calls"][1]["function"]["arguments"] == {}
+    with pytest.raises(InvalidRequest, match="not valid JSON"):
+        canonical_tool_arguments({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]})
+
+
+def test_stable_tool_definitions_and_key() -> None:
+    a = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object", "properties": {}}}}]
+    b = [{"function": {"parameters": {"properties": {}, "type": "object"}, "name": "f"}, "type": "function"}]
+    assert "strict" not in stable_tool_definitions(a)[0]["function"]  # type: ignore[index]
+    assert tools_key(stable_tool_definitions(a)) == tools_key(stable_tool_definitions(b))
+    assert stable_tool_definitions([]) is None
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ({}, True),
+    ({"reasoning_effort": "none"}, False),
+    ({"reasoning_effort": "high"}, True),
+    ({"thinking": {"type": "disabled"}}, False),
+    ({"think": False}, False),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, False),
+])
+def test_thinking_kwargs(extra, expected) -> None:  # type: ignore[no-untyped-def]
+    assert thinking_kwargs(req(**extra), {"enable_thinking": True})["enable_thinking"] is expected
+
+
+def test_drop_unsupported_fields() -> None:
+    r = req(store=False, prompt_cache_key="k", metadata={"a": 1}, temperature=0, seed=3, parallel_tool_calls=True)
+    assert drop_unsupported_fields(r) == {"temperature": 0, "seed": 3}
+    assert drop_unsupported_fields(req(logprobs=True, top_logprobs=2)) == {"logprobs": 2}
+
+
+def test_cap_max_tokens() -> None:
+    assert cap_max_tokens(None, 100, 1000) == 900
+    assert cap_max_tokens(5000, 100, 1000) == 900  # capped, not an error
+    assert cap_max_tokens(10, 100, 1000) == 10
+    with pytest.raises(ContextLengthExceeded, match="maximum context length is 1000 tokens") as info:
+        cap_max_tokens(10, 1000, 1000)
+    assert info.value.status == 400 and info.value.code == "context_length_exceeded"
+
+
+def test_normalize_pipeline() -> None:
+    r = req(messages=[{"role": "developer", "content": "s"}, {"role": "user", "content": "u"},
+                      {"role": "assistant", "content": "", "reasoning": "r",
+                       "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+            max_completion_tokens=7, stream=True, stream_options={"include_usage": True})
+    n = normalize(r, {"enable_thinking": True})
+    assert [m["role"] for m in n.messages] == ["system", "user", "assistant"]
+    assert n.messages[2]["reasoning_content"] == "r" and "reasoning" not in n.messages[2]
+    assert (n.max_tokens, n.stream, n.include_usage) == (7, True, True)
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": []},
+    {"messages": [{"role": "wizard", "content": "x"}]},
+    {"messages": [{"role": "user", "content": 3}]},
+    {"messages": "hi"},
+    {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": "str"}}]},
+    {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
+    {"messages": [{"role": "user", "content": "x"}], "n": 2},
+    {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+])
+def test_bad_requests_are_400(body) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(InvalidRequest) as info:
+        parse_chat_request(body)
+    assert info.value.status == 400
