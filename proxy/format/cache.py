@@ -1,0 +1,66 @@
+"""Chunk text → ids, cached, so a growing session tokenizes only its new messages.
+
+The formats split a prompt into per-message chunks whose boundaries sit next to special tokens
+(`<|im_end|>\\n<|im_start|>`), where BPE cannot merge across, so encoding chunk by chunk gives
+exactly the ids of encoding the whole prompt. Keying on the chunk's full text (not on message
+identity) makes a hit correct by construction; the cost of a hit is one string hash (~0.3 ms
+for a 100K-token history) and a list extend.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+
+class ChunkCache:
+    """LRU map from chunk text to its ids, bounded by the total number of cached ids.
+
+    Returned lists are shared: callers must copy (e.g. `list.extend`) and never mutate them.
+    Not thread-safe; the proxy renders on its event loop.
+    """
+
+    # Chunks shorter than this are re-encoded rather than cached: they cost less to encode
+    # than the bookkeeping, and would otherwise crowd the LRU.
+    MIN_CACHED_CHARS = 64
+
+    def __init__(self, encode: Callable[[str], list[int]], max_tokens: int = 4_000_000) -> None:
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        self._encode = encode
+        self._max_tokens = max_tokens
+        self._entries: OrderedDict[str, list[int]] = OrderedDict()
+        self._tokens = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._tokens
+
+    def ids(self, text: str) -> list[int]:
+        if len(text) < self.MIN_CACHED_CHARS:
+            return self._encode(text)
+        entries = self._entries
+        found = entries.get(text)
+        if found is not None:
+            entries.move_to_end(text)
+            self.hits += 1
+            return found
+        self.misses += 1
+        ids = self._encode(text)
+        if len(ids) > self._max_tokens:
+            return ids
+        entries[text] = ids
+        self._tokens += len(ids)
+        while self._tokens > self._max_tokens:
+            _, old = entries.popitem(last=False)
+            self._tokens -= len(old)
+        return ids
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._tokens = 0
