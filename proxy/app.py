@@ -17,10 +17,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from proxy.admission import Admission
 from proxy.auth import BearerAuth
+from proxy.chat import ChatService
 from proxy.errors import InvalidRequest, NotFound, ProxyError, error_body
+from proxy.format.base import ChatFormat
 from proxy.metrics import Metrics
 from proxy.settings import Settings
+from proxy.store import SessionStore, make_store
 from proxy.upstream import Upstream, forward_headers
 
 log = logging.getLogger("proxy")
@@ -35,6 +39,8 @@ class Services:
     settings: Settings
     metrics: Metrics
     upstream: Upstream | None = None
+    store: SessionStore | None = None
+    chat: ChatService | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     def up(self) -> Upstream:
@@ -62,18 +68,49 @@ async def read_json(request: Request) -> dict[str, Any]:
     return body
 
 
-def create_app(settings: Settings, *, upstream: Upstream | None = None) -> FastAPI:
+def load_chat_format(settings: Settings) -> ChatFormat | None:
+    """The model's conversation format from --model-dir; None (chat passes through to vLLM) without one."""
+    if settings.model_dir is None:
+        log.warning("no --model-dir: /v1/chat/completions passes through to vLLM (no transcripts)")
+        return None
+    try:
+        from proxy.format import load_format
+    except ImportError:  # the format half (issue 3) not landed yet: keep serving as a pass-through
+        log.warning("proxy.format.load_format unavailable: /v1/chat/completions passes through to vLLM")
+        return None
+    return load_format(settings.model_dir)
+
+
+def create_app(settings: Settings, *, upstream: Upstream | None = None, store: SessionStore | None = None,
+               fmt: ChatFormat | None = None, admission: Admission | None = None) -> FastAPI:
+    """Build the app. Injected parts (tests, benchmarks) are used as given and not closed here."""
     metrics = Metrics()
-    services = Services(settings=settings, metrics=metrics, upstream=upstream)
-    owns_upstream = upstream is None
+    services = Services(settings=settings, metrics=metrics, upstream=upstream, store=store)
+    owns_upstream, owns_store = upstream is None, store is None
+    chat_format = fmt if fmt is not None else load_chat_format(settings)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if owns_upstream:
             services.upstream = Upstream.open(settings.upstream, timeout_s=settings.upstream_timeout_s)
+        if owns_store:
+            services.store = make_store(
+                settings.redis_url, max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
+                per_session=settings.snapshots_per_session,
+                path=str(settings.store_file) if settings.store_file else None,
+            )
+        if chat_format is not None and services.upstream is not None and services.store is not None:
+            services.chat = ChatService(
+                fmt=chat_format, upstream=services.upstream, store=services.store, metrics=metrics,
+                model_name=settings.model_name, admission=admission, warmup=settings.warmup,
+            )
         try:
             yield
         finally:
+            if services.chat is not None:
+                await services.chat.close()
+            if owns_store and services.store is not None:
+                await services.store.close()
             if owns_upstream and services.upstream is not None:
                 await services.upstream.close()
 
@@ -100,6 +137,8 @@ def create_app(settings: Settings, *, upstream: Upstream | None = None) -> FastA
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        if services.store is not None:
+            metrics.sessions.set(await services.store.count())
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -115,6 +154,16 @@ def create_app(settings: Settings, *, upstream: Upstream | None = None) -> FastA
             "context_window": info.max_model_len,
         }
         return json_response({"object": "list", "data": [entry]})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        if services.chat is None:
+            return await relay(services, request, "/v1/chat/completions")
+        body = await read_json(request)
+        turn = await services.chat.prepare(body, request.headers)
+        if turn.plan.norm.stream:
+            return StreamingResponse(turn.sse(), media_type="text/event-stream", headers=_SSE_HEADERS)
+        return json_response(await turn.complete())
 
     @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def passthrough(path: str, request: Request) -> Response:

@@ -1,9 +1,14 @@
-"""Request normalization: each quirk a named function, applied by `normalize()` in order.
+"""Request normalization on the serving side: each quirk a named function, applied by `normalize()`.
 
-Why each exists (shared/research/harnesses.md §4, proxy_anchors.md §6): harnesses send `developer`
-for system (Pi), reasoning under either name (Pi: as received; DSH: `reasoning_content`), tool-call
-arguments as JSON strings that clients re-serialize, OpenAI-only fields vLLM does not know, and
-`max_tokens` larger than the room left, which must be capped rather than reported as an overflow.
+Why each exists (shared/research/harnesses.md §4, proxy_anchors.md §6): harnesses say "no thinking" in
+four different ways, send OpenAI-only fields vLLM does not know (`store`, `strict`, ...), re-order
+tool-definition keys between turns, and ask for more `max_tokens` than the room left, which must be
+capped rather than reported as an overflow.
+
+Message-level normalization that changes the rendered prompt (`developer` → `system` with vLLM's
+system merge, the reasoning field name, string tool arguments → objects) is vLLM's own preprocessing
+and lives with the renderer (proxy/format/normalize.py), so prompt ids stay equal to vLLM's; the
+tolerant comparison of histories lives in proxy/transcripts.py (`message_key`).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.errors import ContextLengthExceeded, InvalidRequest
+from proxy.errors import ContextLengthExceeded
 from proxy.protocol import ChatRequest
 
 # Sampling fields forwarded to vLLM /v1/completions; everything else is dropped (store, metadata,
@@ -35,49 +40,6 @@ class NormalizedChat:
     include_usage: bool
     tool_choice: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def developer_to_system(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's `developer` role is a system message to every open-weight template."""
-    if message.get("role") == "developer":
-        return {**message, "role": "system"}
-    return message
-
-
-def unify_reasoning(message: dict[str, Any]) -> dict[str, Any]:
-    """One field for reasoning: `reasoning_content` (what the Qwen3.x template reads); vLLM's output
-    name `reasoning` is accepted as an alias and removed."""
-    if "reasoning" not in message:
-        return message
-    out = dict(message)
-    alias = out.pop("reasoning")
-    if out.get("reasoning_content") is None and alias is not None:
-        out["reasoning_content"] = alias
-    return out
-
-
-def canonical_tool_arguments(message: dict[str, Any]) -> dict[str, Any]:
-    """Tool-call arguments as objects, as vLLM's chat path does before templating: a JSON string is
-    parsed (so re-serialized spacing or key escaping cannot change the render), empty means `{}`."""
-    calls = message.get("tool_calls")
-    if message.get("role") != "assistant" or not calls:
-        return message
-    fixed = []
-    for call in calls:
-        fn = dict(call.get("function") or {})
-        args = fn.get("arguments")
-        if not args:
-            fn["arguments"] = {}
-        elif isinstance(args, str):
-            try:
-                fn["arguments"] = json.loads(args)
-            except ValueError as exc:
-                raise InvalidRequest(
-                    f"tool call {call.get('id')!r} arguments are not valid JSON: {args[:80]!r}",
-                    param="messages.tool_calls.function.arguments",
-                ) from exc
-        fixed.append({**call, "function": fn})
-    return {**message, "tool_calls": fixed}
 
 
 def stable_tool_definitions(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -142,10 +104,8 @@ def cap_max_tokens(requested: int | None, prompt_tokens: int, max_model_len: int
 
 
 def normalize(req: ChatRequest, template_defaults: Mapping[str, Any]) -> NormalizedChat:
-    messages = []
-    for msg in req.messages:
-        raw = msg.model_dump(exclude_unset=True)
-        messages.append(canonical_tool_arguments(unify_reasoning(developer_to_system(raw))))
+    # As sent (validated): the renderer applies vLLM's message preprocessing itself.
+    messages = [msg.model_dump(exclude_unset=True) for msg in req.messages]
     tools = stable_tool_definitions([t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -143,11 +143,14 @@ def _shared_prefix(snapshot: Snapshot, keys: list[str]) -> tuple[int, int]:
     return n, tokens
 
 
-def match(snapshots: Sequence[Snapshot], messages: list[dict[str, Any]], context: str) -> Match:
-    """Find the snapshot this request extends (newest first); else the best divergence reason."""
+def match(snapshots: Sequence[Snapshot], messages: list[dict[str, Any]], context: str,
+          keys: list[str] | None = None) -> Match:
+    """Find the snapshot this request extends (newest first); else the best divergence reason.
+    `keys` are the messages' `message_key`s when the caller has them already."""
     if not snapshots:
         return Match(snapshot=None, reason=None)
-    keys = [message_key(m) for m in messages]
+    if keys is None:
+        keys = [message_key(m) for m in messages]
     best: Match | None = None
     for snap in snapshots:
         k = len(snap.msg_keys)

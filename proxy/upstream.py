@@ -23,6 +23,22 @@ _HOP_HEADERS = frozenset(
 )
 
 
+_JSON = {"content-type": "application/json"}
+# vLLM echoes the whole prompt in the first streamed event (`return_token_ids`); we sent it, so it is
+# cut out before parsing instead of decoding 100K ids per request.
+_PROMPT_IDS = b'"prompt_token_ids":['
+
+
+def _drop_prompt_ids(data: bytes) -> bytes:
+    start = data.find(_PROMPT_IDS)
+    if start < 0:
+        return data
+    end = data.find(b"]", start + len(_PROMPT_IDS))
+    if end < 0:
+        return data
+    return data[:start] + b'"prompt_token_ids":null' + data[end + 1 :]
+
+
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     upstream_id: str  # the name vLLM serves; requests are rewritten to it
@@ -53,6 +69,49 @@ class RelayResponse:
 
     def release(self) -> None:
         self._resp.release()
+
+
+class EventStream:
+    """An open SSE response; `events()` yields each `data:` object until `[DONE]`, then releases."""
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        buf = b""
+        first = True
+        try:
+            async for chunk in self._resp.content.iter_any():
+                buf += chunk
+                while True:
+                    end = buf.find(b"\n\n")
+                    if end < 0:
+                        break
+                    frame, buf = buf[:end], buf[end + 2 :]
+                    for line in frame.split(b"\n"):
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            return
+                        if first:
+                            data = _drop_prompt_ids(data)
+                            first = False
+                        yield json.loads(data)
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamError(f"upstream stream broke: {exc}") from exc
+        except ValueError as exc:
+            raise UpstreamError(f"upstream sent a malformed event: {exc}") from exc
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        # Closing (not releasing) an unfinished response drops the connection, which makes vLLM
+        # abort the request and free its seat when a client goes away mid-stream.
+        if not self._resp.content.at_eof():
+            self._resp.close()
+        else:
+            self._resp.release()
 
 
 def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
@@ -100,42 +159,32 @@ class Upstream:
             raise UpstreamError(f"upstream {self.base_url} unreachable: {exc}") from exc
 
     async def post_json(self, path: str, payload: Mapping[str, Any]) -> Any:
+        return await self.post_raw(path, json.dumps(payload).encode())
+
+    async def post_raw(self, path: str, payload: bytes) -> Any:
         try:
-            async with self.session.post(self.base_url + path, json=payload) as resp:
+            async with self.session.post(self.base_url + path, data=payload, headers=_JSON) as resp:
                 data = await resp.read()
                 _raise_for_status(resp.status, data)
         except (aiohttp.ClientError, OSError) as exc:
             raise UpstreamError(f"upstream {self.base_url} unreachable: {exc}") from exc
         return json.loads(data)
 
-    async def stream_events(self, path: str, payload: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """POST a streaming request and yield each SSE `data:` object until `[DONE]`."""
+    async def open_events(self, path: str, payload: bytes) -> EventStream:
+        """POST a streaming request (JSON bytes) and wait for the status line only: a 4xx/5xx raises
+        here, before the caller has sent a byte, so it can still answer with a proper error."""
         try:
-            resp = await self.session.post(self.base_url + path, json=payload)
+            resp = await self.session.post(self.base_url + path, data=payload, headers=_JSON)
         except (aiohttp.ClientError, OSError) as exc:
             raise UpstreamError(f"upstream {self.base_url} unreachable: {exc}") from exc
-        try:
-            if resp.status != 200:
-                _raise_for_status(resp.status, await resp.read())
-            buf = b""
-            async for chunk in resp.content.iter_any():
-                buf += chunk
-                while True:
-                    end = buf.find(b"\n\n")
-                    if end < 0:
-                        break
-                    frame, buf = buf[:end], buf[end + 2 :]
-                    for line in frame.split(b"\n"):
-                        if not line.startswith(b"data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            return
-                        yield json.loads(data)
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError(f"upstream stream broke: {exc}") from exc
-        finally:
-            resp.release()
+        if resp.status != 200:
+            try:
+                data = await resp.read()
+            finally:
+                resp.release()
+            _raise_for_status(resp.status, data)
+            raise UpstreamError(f"upstream answered {resp.status}")
+        return EventStream(resp)
 
     async def model(self, *, refresh: bool = False) -> ModelInfo:
         """The served model id and max_model_len, read once from vLLM's /v1/models."""

@@ -6,15 +6,12 @@ import pytest
 
 from proxy.errors import ContextLengthExceeded, InvalidRequest
 from proxy.normalize import (
-    canonical_tool_arguments,
     cap_max_tokens,
-    developer_to_system,
     drop_unsupported_fields,
     normalize,
     stable_tool_definitions,
     thinking_kwargs,
     tools_key,
-    unify_reasoning,
 )
 from proxy.protocol import parse_chat_request
 
@@ -24,30 +21,6 @@ pytestmark = pytest.mark.unit
 def req(**kw):  # type: ignore[no-untyped-def]
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
     return parse_chat_request(body)
-
-
-def test_developer_to_system() -> None:
-    assert developer_to_system({"role": "developer", "content": "x"}) == {"role": "system", "content": "x"}
-    assert developer_to_system({"role": "user", "content": "x"})["role"] == "user"
-
-
-def test_unify_reasoning() -> None:
-    assert unify_reasoning({"role": "assistant", "reasoning": "r"}) == {"role": "assistant", "reasoning_content": "r"}
-    both = unify_reasoning({"role": "assistant", "reasoning": "a", "reasoning_content": "b"})
-    assert both == {"role": "assistant", "reasoning_content": "b"}
-
-
-def test_canonical_tool_arguments() -> None:
-    msg = {"role": "assistant", "tool_calls": [
-        {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"b": 1, "a": "x"}'}},
-        {"id": "2", "type": "function", "function": {"name": "g", "arguments": ""}},
-    ]}
-    out = canonical_tool_arguments(msg)
-    assert out["tool_calls"][0]["function"]["arguments"] == {"b": 1, "a": "x"}
-    assert list(out["tool_calls"][0]["function"]["arguments"]) == ["b", "a"]  # order as sent
-    assert out["tool_calls"][1]["function"]["arguments"] == {}
-    with pytest.raises(InvalidRequest, match="not valid JSON"):
-        canonical_tool_arguments({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]})
 
 
 def test_stable_tool_definitions_and_key() -> None:
@@ -91,8 +64,8 @@ def test_normalize_pipeline() -> None:
                        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
             max_completion_tokens=7, stream=True, stream_options={"include_usage": True})
     n = normalize(r, {"enable_thinking": True})
-    assert [m["role"] for m in n.messages] == ["system", "user", "assistant"]
-    assert n.messages[2]["reasoning_content"] == "r" and "reasoning" not in n.messages[2]
+    assert [m["role"] for m in n.messages] == ["developer", "user", "assistant"]  # as sent: the renderer maps
+    assert n.messages[2]["reasoning"] == "r"
     assert (n.max_tokens, n.stream, n.include_usage) == (7, True, True)
 
 

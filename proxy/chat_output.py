@@ -1,0 +1,134 @@
+"""OpenAI chat completion output, built as bytes/dicts straight from the parser's deltas.
+
+No pydantic per chunk (a measured CPU trap, proxy_anchors.md §7): each chunk is a precomputed
+prefix + `json.dumps(delta)` + suffix. Reasoning goes out under both names, `reasoning_content`
+(DeepSeek Harness reads only that) and `reasoning` (vLLM's own field).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+import time
+from typing import Any
+
+from proxy.format.base import Delta, DeltaKind, ParsedOutput
+
+_ALPHABET = string.ascii_letters + string.digits
+
+
+def tool_call_id() -> str:
+    return "call_" + "".join(secrets.choice(_ALPHABET) for _ in range(24))
+
+
+def completion_id() -> str:
+    return "chatcmpl-" + secrets.token_hex(12)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + _dumps(data).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def finish_reason(upstream: str | None, had_tool_calls: bool) -> str:
+    """OpenAI's finish reasons from vLLM's: a turn that called tools ends with `tool_calls`."""
+    if upstream == "length":
+        return "length"
+    return "tool_calls" if had_tool_calls else "stop"
+
+
+class ChunkWriter:
+    """Serializes one streamed response: role chunk, delta chunks, finish chunk, usage chunk."""
+
+    def __init__(self, cid: str, model: str, created: int | None = None) -> None:
+        created = int(time.time()) if created is None else created
+        head = f'{{"id":{_dumps(cid)},"object":"chat.completion.chunk","created":{created},"model":{_dumps(model)},'
+        self._prefix = (head + '"choices":[{"index":0,"delta":').encode()
+        self._head = head.encode()
+        self.tool_calls = 0
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        tail = ',"logprobs":null,"finish_reason":' + (_dumps(finish) if finish else "null") + "}]}\n\n"
+        return b"data: " + self._prefix + _dumps(delta).encode() + tail.encode()
+
+    def role(self) -> bytes:
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def deltas(self, deltas: list[Delta]) -> bytes:
+        """One chunk per run of text deltas, one per tool-call event; b"" when nothing to send."""
+        out: list[bytes] = []
+        text: dict[str, str] = {}
+        for d in deltas:
+            if d.kind is DeltaKind.CONTENT:
+                text["content"] = text.get("content", "") + d.text
+            elif d.kind is DeltaKind.REASONING:
+                text["reasoning_content"] = text.get("reasoning_content", "") + d.text
+            else:
+                if text:
+                    out.append(self._text_chunk(text))
+                    text = {}
+                out.append(self._chunk({"tool_calls": [self._tool_delta(d)]}))
+        if text:
+            out.append(self._text_chunk(text))
+        return b"".join(out)
+
+    def _text_chunk(self, text: dict[str, str]) -> bytes:
+        if "reasoning_content" in text:
+            text["reasoning"] = text["reasoning_content"]
+        return self._chunk(text)
+
+    def _tool_delta(self, d: Delta) -> dict[str, Any]:
+        if d.kind is DeltaKind.TOOL_CALL:
+            self.tool_calls += 1
+            return {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}}
+        return {"index": d.index, "function": {"arguments": d.text}}
+
+    def finish(self, reason: str) -> bytes:
+        return self._chunk({}, reason)
+
+    def usage(self, usage: dict[str, Any]) -> bytes:
+        return b"data: " + self._head + b'"choices":[],"usage":' + _dumps(usage).encode() + b"}\n\n"
+
+    def error(self, message: str, type_: str = "upstream_error") -> bytes:
+        return sse({"error": {"message": message, "type": type_, "param": None, "code": None}})
+
+
+def assistant_message(parsed: ParsedOutput) -> dict[str, Any]:
+    """The reply as an OpenAI message (non-streaming responses, and the transcript's reply key)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning is not None:
+        msg["reasoning_content"] = parsed.reasoning
+        msg["reasoning"] = parsed.reasoning
+    if parsed.tool_calls:
+        msg["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in parsed.tool_calls
+        ]
+    return msg
+
+
+def completion_body(cid: str, model: str, message: dict[str, Any], finish: str, usage: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+        "usage": usage,
+    }
