@@ -9,6 +9,7 @@ import sys
 import uvicorn
 
 from proxy.app import create_app
+from proxy.format import FormatError
 from proxy.settings import Settings
 
 
@@ -20,7 +21,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"proxy: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except FormatError as exc:
+        print(f"proxy: cannot load the chat format from {settings.model_dir}: {exc}", file=sys.stderr)
+        return 2
     # One worker: transcripts of the embedded store live in this process (Redis lifts that limit).
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
     return 0

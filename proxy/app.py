@@ -21,7 +21,7 @@ from proxy.admission import Admission
 from proxy.auth import BearerAuth
 from proxy.chat import ChatService
 from proxy.errors import InvalidRequest, NotFound, ProxyError, error_body
-from proxy.format.base import ChatFormat
+from proxy.format import ChatFormat, load_format
 from proxy.metrics import Metrics
 from proxy.settings import Settings
 from proxy.store import SessionStore, make_store
@@ -72,11 +72,6 @@ def load_chat_format(settings: Settings) -> ChatFormat | None:
     """The model's conversation format from --model-dir; None (chat passes through to vLLM) without one."""
     if settings.model_dir is None:
         log.warning("no --model-dir: /v1/chat/completions passes through to vLLM (no transcripts)")
-        return None
-    try:
-        from proxy.format import load_format
-    except ImportError:  # the format half (issue 3) not landed yet: keep serving as a pass-through
-        log.warning("proxy.format.load_format unavailable: /v1/chat/completions passes through to vLLM")
         return None
     return load_format(settings.model_dir)
 

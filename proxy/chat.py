@@ -259,13 +259,15 @@ class ChatTurn:
         writer = ChunkWriter(self.id, svc.model_name)
         parser = svc.parser(self.plan)
         try:
-            yield writer.role()  # early: harness watchdogs count time to the first byte
+            ids_out = self.plan.norm.return_token_ids
+            # Early: harness watchdogs count the time to the first byte.
+            yield writer.role(self.plan.prompt if ids_out else None)
             async for deltas in self._events(parser):
                 chunk = writer.deltas(deltas)
                 if chunk:
                     yield chunk
             reply, finish = await self._finish(parser)
-            yield writer.finish(finish)
+            yield writer.finish(finish, self.generated if ids_out else None)
             if self.plan.norm.include_usage:
                 yield writer.usage(self._usage())
             else:
@@ -288,7 +290,11 @@ class ChatTurn:
                 pass
             reply, finish = await self._finish(parser)
             svc.metrics.requests.labels("chat", "200").inc()
-            return completion_body(self.id, svc.model_name, reply, finish, self._usage())
+            body = completion_body(self.id, svc.model_name, reply, finish, self._usage())
+            if self.plan.norm.return_token_ids:
+                body["prompt_token_ids"] = self.plan.prompt.tolist()
+                body["choices"][0]["token_ids"] = list(self.generated)
+            return body
         finally:
             self._close()
 

@@ -11,6 +11,7 @@ import json
 import secrets
 import string
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from proxy.format.base import Delta, DeltaKind, ParsedOutput
@@ -67,8 +68,13 @@ class ChunkWriter:
         tail = ',"logprobs":null,"finish_reason":' + (_dumps(finish) if finish else "null") + "}]}\n\n"
         return b"data: " + self._prefix + _dumps(delta).encode() + tail.encode()
 
-    def role(self) -> bytes:
-        return self._chunk({"role": "assistant", "content": ""})
+    def role(self, prompt_ids: Sequence[int] | None = None) -> bytes:
+        if prompt_ids is None:
+            return self._chunk({"role": "assistant", "content": ""})
+        # vLLM's return_token_ids extension: the prompt ids ride on the first chunk.
+        head = self._head + b'"prompt_token_ids":[' + ",".join(map(str, prompt_ids)).encode() + b"],"
+        return (b"data: " + head + b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+                b'"logprobs":null,"finish_reason":null}]}\n\n')
 
     def deltas(self, deltas: list[Delta]) -> bytes:
         """One chunk per run of text deltas, one per tool-call event; b"" when nothing to send."""
@@ -99,8 +105,11 @@ class ChunkWriter:
             return {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}}
         return {"index": d.index, "function": {"arguments": d.text}}
 
-    def finish(self, reason: str) -> bytes:
-        return self._chunk({}, reason)
+    def finish(self, reason: str, token_ids: Sequence[int] | None = None) -> bytes:
+        if token_ids is None:
+            return self._chunk({}, reason)
+        tail = f',"logprobs":null,"finish_reason":{_dumps(reason)},"token_ids":{_dumps(list(token_ids))}}}]}}\n\n'
+        return b"data: " + self._prefix + b"{}" + tail.encode()
 
     def usage(self, usage: dict[str, Any]) -> bytes:
         return b"data: " + self._head + b'"choices":[],"usage":' + _dumps(usage).encode() + b"}\n\n"

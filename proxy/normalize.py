@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from proxy.errors import ContextLengthExceeded
@@ -27,6 +27,8 @@ SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "logprobs", "top_logprobs",
 )
+# vLLM extensions passed through as sent (tests force exact outputs with `structured_outputs`).
+VLLM_EXTRA_FIELDS = ("structured_outputs", "min_tokens", "ignore_eos", "logit_bias")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +41,7 @@ class NormalizedChat:
     stream: bool
     include_usage: bool
     tool_choice: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    return_token_ids: bool = False  # vLLM's extension: prompt_token_ids / token_ids in the response
 
 
 def stable_tool_definitions(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -84,6 +86,10 @@ def drop_unsupported_fields(req: ChatRequest) -> dict[str, Any]:
         value = getattr(req, name)
         if value is not None:
             sampling[name] = value
+    extra = req.model_extra or {}
+    for name in VLLM_EXTRA_FIELDS:
+        if extra.get(name) is not None:
+            sampling[name] = extra[name]
     if sampling.get("logprobs") is True:
         sampling["logprobs"] = sampling.pop("top_logprobs", 0) or 0
     else:
@@ -118,4 +124,5 @@ def normalize(req: ChatRequest, template_defaults: Mapping[str, Any]) -> Normali
         stream=req.stream,
         include_usage=include_usage,
         tool_choice=req.tool_choice,
+        return_token_ids=(req.model_extra or {}).get("return_token_ids") is True,
     )

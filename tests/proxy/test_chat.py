@@ -178,3 +178,22 @@ async def test_bad_input_is_openai_400(env: Env, body: dict) -> None:  # type: i
     for resp in (r, bad_json):
         assert resp.status_code == 400, resp.text
         assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_return_token_ids_both_ways(env: Env) -> None:
+    h = {"x-session-id": "ids"}
+    env.say("hey")
+    r = await env.client.chat.completions.create(model="m", messages=[USER], extra_headers=h,
+                                                 extra_body={"return_token_ids": True})
+    extra = r.model_extra or {}
+    assert extra["prompt_token_ids"] == env.prompt()
+    assert (r.choices[0].model_extra or {})["token_ids"] == enc("hey") + [IM_END]
+    env.say("ho")
+    stream = await env.client.chat.completions.create(
+        model="m", messages=[USER, {"role": "assistant", "content": "hey"}, {"role": "user", "content": "again"}],
+        extra_headers=h, stream=True, extra_body={"return_token_ids": True})
+    chunks = [c async for c in stream]
+    assert (chunks[0].model_extra or {})["prompt_token_ids"] == env.prompt()
+    fin = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    assert (fin.choices[0].model_extra or {})["token_ids"] == enc("ho") + [IM_END]
+    assert env.prompt()[: len(extra["prompt_token_ids"]) + 4] == extra["prompt_token_ids"] + enc("hey") + [IM_END]
