@@ -1,0 +1,146 @@
+"""Gated DeltaNet spec-decode verify with lazy state commit.
+
+Shape legend: B requests, T verify tokens this step (<= TL), TL log capacity in tokens, H key heads,
+HV value heads (multiple of H), K key dim, V value dim, S state-pool slots.
+State layout ``[S, HV, V, K]`` is vLLM 0.32.0's GDN pool layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.gdn_verify.reference import (
+    naive_recurrent_gdn_verify_eager,
+    naive_recurrent_gdn_verify_lazy,
+)
+from kernels.gdn_verify.triton import gdn_verify_fwd
+
+__all__ = [
+    "fused_recurrent_gdn_commit",
+    "fused_recurrent_gdn_verify",
+    "fused_recurrent_gdn_verify_eager",
+    "gdn_log_empty",
+    "naive_recurrent_gdn_verify_eager",
+    "naive_recurrent_gdn_verify_lazy",
+]
+
+
+def gdn_log_empty(
+    num_slots: int,
+    max_tokens: int,
+    num_k_heads: int,
+    k_dim: int,
+    num_v_heads: int,
+    v_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """Allocate a token log: [S, 2, TL, H*K + HV*V + 2*HV] in the dtype of k, v, a and b.
+
+    Row layout per token: raw k (H*K) | v (HV*V) | a (HV) | b (HV).  Half ``p`` of slot s is read
+    by a step whose ``log_parity`` is p; that step writes half 1 - p.  Contents need no init: a
+    slot's first step must use num_replay = 0.
+    """
+    row = num_k_heads * k_dim + num_v_heads * v_dim + 2 * num_v_heads
+    return torch.empty(num_slots, 2, max_tokens, row, dtype=dtype, device=device)
+
+
+def fused_recurrent_gdn_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    log: torch.Tensor,
+    log_parity: torch.Tensor,
+    num_replay: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Lazy-commit verify step of the gated delta rule (Qwen3-Next / Qwen3.5 GDN layers).
+
+    Per request: fold the first ``num_replay`` tokens of the previous step's log into the base
+    state (rounded once to the state dtype, exactly where vLLM's eager path stores its per-token
+    state), write that base back, run the T new tokens for their outputs and log them.  States are
+    bit-identical to :func:`fused_recurrent_gdn_verify_eager` resumed at the same token.
+
+    Args:
+        q, k: [B, T, H, K] (any float dtype; last two dims dense, batch/token strides free).
+        v: [B, T, HV, V]; a, b: [B, T, HV] raw gate inputs (g = -exp(A_log)·softplus(a + dt_bias),
+            beta = sigmoid(b)); k, v, a, b must share the log's dtype.
+        A_log, dt_bias: [HV].
+        state: [S, HV, V, K] fp32/bf16/fp16 base states, updated in place.
+        state_indices: [B] int32/int64 slot per request; a negative slot skips the request (its
+            outputs are left unwritten).
+        log: [S, 2, TL, H*K + HV*V + 2*HV] from :func:`gdn_log_empty`, T <= TL.
+        log_parity: [1] int32 device tensor; flip it (``log_parity ^= 1``) once per engine step,
+            after the last layer.
+        num_replay: [B] int32 tokens of the previous step to commit, in [0, T_prev]; in vLLM terms
+            ``num_accepted_tokens`` (accepted drafts + 1); 0 for a slot's first step.
+        scale: query scale, default K ** -0.5.
+        out: optional [B, T, HV, V] contiguous output.
+
+    Returns:
+        o: [B, T, HV, V] in q.dtype (or ``out``).
+    """
+    return gdn_verify_fwd(
+        q, k, v, a, b, A_log, dt_bias, state, state_indices, num_k_heads=k.shape[2],
+        log=log, log_parity=log_parity, num_replay=num_replay, scale=scale, out=out,
+    )
+
+
+def fused_recurrent_gdn_commit(
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    log: torch.Tensor,
+    log_parity: torch.Tensor,
+    num_replay: torch.Tensor,
+    num_k_heads: int,
+) -> None:
+    """Materialise the lazy state: fold ``num_replay[b]`` logged tokens into ``state`` in place.
+
+    Use before anything that reads the pool as plain states (prefill, prefix-cache copies, a
+    non-spec decode step).  The next verify step of these slots must pass num_replay = 0.
+    Shapes as in :func:`fused_recurrent_gdn_verify`; num_k_heads is H.
+    """
+    gdn_verify_fwd(
+        None, None, None, None, None, A_log, dt_bias, state, state_indices,
+        num_k_heads=num_k_heads, log=log, log_parity=log_parity, num_replay=num_replay,
+    )
+
+
+def fused_recurrent_gdn_verify_eager(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    init_indices: torch.Tensor,
+    token_indices: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Eager verify (vLLM's storing scheme, same arithmetic as the lazy kernel).
+
+    Reads state[init_indices[b]] and writes the state after token t to state[token_indices[b, t]]
+    (negative index: not stored).  init_indices: [B]; token_indices: [B, T] contiguous; other
+    shapes as in :func:`fused_recurrent_gdn_verify`.  vLLM's ``init = indices[b, accepted - 1]``.
+
+    Returns:
+        o: [B, T, HV, V] in q.dtype.
+    """
+    if token_indices.shape != q.shape[:2] or not token_indices.is_contiguous():
+        raise ValueError(f"token_indices must be a contiguous {tuple(q.shape[:2])}, got {tuple(token_indices.shape)}")
+    return gdn_verify_fwd(
+        q, k, v, a, b, A_log, dt_bias, state, init_indices, num_k_heads=k.shape[2],
+        tok_idx=token_indices, scale=scale, out=out,
+    )

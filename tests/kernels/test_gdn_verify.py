@@ -1,0 +1,221 @@
+"""Gated DeltaNet verify kernel: Triton (lazy and eager) against the fp32 reference, and lazy vs
+eager states bit-identical over several steps.  CPU: TRITON_INTERPRET=1 on small odd shapes;
+real shapes run only with CUDA."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+CUDA = torch.cuda.is_available()
+if not CUDA:  # must precede the first @triton.jit decoration
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from kernels.gdn_verify import (  # noqa: E402
+    fused_recurrent_gdn_commit,
+    fused_recurrent_gdn_verify,
+    fused_recurrent_gdn_verify_eager,
+    gdn_log_empty,
+    naive_recurrent_gdn_verify_eager,
+    naive_recurrent_gdn_verify_lazy,
+)
+
+pytestmark = pytest.mark.kernels
+
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# ||out - ref|| / ||ref|| bounds: fp32 math with a different reduction order, then the state
+# rounded to its dtype (one ulp where the two fp32 values straddle a rounding boundary).
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    assert not torch.isnan(x).any(), "NaN in kernel output (unwritten element?)"
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def make_inputs(B, T, H, HV, K, V, seed, dtype=torch.bfloat16, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*s, std=1.0):
+        return (torch.randn(*s, generator=g) * std).to(dtype).to(device)
+
+    p = torch.Generator().manual_seed(HV)  # layer parameters: the same at every step
+    return dict(
+        q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, HV, V), a=r(B, T, HV), b=r(B, T, HV),
+        A_log=(torch.rand(HV, generator=p) * 2 - 1).to(device),
+        dt_bias=(torch.randn(HV, generator=p) * 0.5).to(device),
+    )
+
+
+def nan_out(B, T, HV, V):
+    return torch.full((B, T, HV, V), float("nan"), device=DEVICE)
+
+
+SHAPES = [
+    pytest.param(3, 5, 2, 6, 24, 20, id="B3-T5-H2-HV6-K24-V20"),
+    pytest.param(2, 3, 1, 3, 16, 40, id="B2-T3-H1-HV3-K16-V40"),
+]
+
+
+@pytest.mark.parametrize("sdtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,T,H,HV,K,V", SHAPES)
+def test_eager_matches_reference(B, T, H, HV, K, V, sdtype):
+    x = make_inputs(B, T, H, HV, K, V, seed=1)
+    h0 = torch.randn(B, HV, V, K).mul(0.3).to(sdtype).to(DEVICE)
+    pool = torch.full((1 + B * (T + 1), HV, V, K), float("nan"), dtype=sdtype, device=DEVICE)
+    init = torch.arange(B, device=DEVICE) * (T + 1) + 1
+    pool[init] = h0
+    tok = (init[:, None] + 1 + torch.arange(T, device=DEVICE)).to(torch.int32).contiguous()
+    o = fused_recurrent_gdn_verify_eager(
+        **x, state=pool, init_indices=init.to(torch.int32), token_indices=tok, out=nan_out(B, T, HV, V)
+    )
+    o_ref, s_ref = naive_recurrent_gdn_verify_eager(**x, h0=h0)
+    assert rel_err(o, o_ref) < TOL[torch.float32] * 50
+    assert rel_err(pool[tok.long()], s_ref) < TOL[sdtype]
+    assert torch.equal(pool[init], h0), "start state must not be written"
+
+
+class EagerRunner:
+    """vLLM-style state keeping: each request owns T + 1 slots; the step starts from `cur`."""
+
+    def __init__(self, h0, T):
+        B = h0.shape[0]
+        self.T = T
+        self.pool = torch.full((1 + B * (T + 1), *h0.shape[1:]), float("nan"), dtype=h0.dtype, device=DEVICE)
+        self.cur = [1 + i * (T + 1) for i in range(B)]
+        self.pool[self.cur] = h0
+
+    def step(self, x, out):
+        B = len(self.cur)
+        tok = []
+        for i in range(B):
+            own = range(1 + i * (self.T + 1), 1 + (i + 1) * (self.T + 1))
+            tok.append([s for s in own if s != self.cur[i]])
+        tok_t = torch.tensor(tok, dtype=torch.int32, device=DEVICE)
+        init = torch.tensor(self.cur, dtype=torch.int32, device=DEVICE)
+        o = fused_recurrent_gdn_verify_eager(**x, state=self.pool, init_indices=init, token_indices=tok_t, out=out)
+        self._tok = tok
+        return o
+
+    def accept(self, accepted):
+        self.cur = [c if r == 0 else t[r - 1] for c, r, t in zip(self.cur, accepted, self._tok)]
+
+    def states(self):
+        return self.pool[self.cur]
+
+
+@pytest.mark.parametrize("sdtype", DTYPES, ids=str)
+def test_lazy_bit_identical_to_eager(sdtype):
+    B, T, H, HV, K, V = 3, 4, 2, 4, 16, 24
+    steps = [[0, 4, 2], [4, 1, 0], [3, 4, 4], [0, 0, 1], [2, 3, 4]]  # accepted after each step
+    h0 = torch.randn(B, HV, V, K).mul(0.3).to(sdtype).to(DEVICE)
+    eager = EagerRunner(h0, T)
+    slots = torch.tensor([2, 0, 5], dtype=torch.int32, device=DEVICE)
+    lazy_pool = torch.full((6, HV, V, K), float("nan"), dtype=sdtype, device=DEVICE)
+    lazy_pool[slots.long()] = h0
+    log = gdn_log_empty(6, T, H, K, HV, V, torch.bfloat16, DEVICE).fill_(float("nan"))
+    parity = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    replay = torch.zeros(B, dtype=torch.int32, device=DEVICE)
+    for n, accepted in enumerate(steps):
+        x = make_inputs(B, T, H, HV, K, V, seed=100 + n)
+        o_e = eager.step(x, nan_out(B, T, HV, V))
+        o_l = fused_recurrent_gdn_verify(
+            **x, state=lazy_pool, state_indices=slots, log=log, log_parity=parity,
+            num_replay=replay, out=nan_out(B, T, HV, V),
+        )
+        assert torch.equal(o_l, o_e), f"step {n}: outputs differ"
+        assert torch.equal(lazy_pool[slots.long()], eager.states()), f"step {n}: base != eager start"
+        eager.accept(accepted)
+        replay = torch.tensor(accepted, dtype=torch.int32, device=DEVICE)
+        parity ^= 1
+    fused_recurrent_gdn_commit(x["A_log"], x["dt_bias"], lazy_pool, slots, log, parity, replay, H)
+    assert torch.equal(lazy_pool[slots.long()], eager.states()), "committed state != eager state"
+
+
+@pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16], ids=str)
+def test_lazy_matches_reference(sdtype):
+    B, T, H, HV, K, V = 3, 3, 1, 2, 24, 20
+    prev = make_inputs(B, T, H, HV, K, V, seed=7)
+    x = make_inputs(B, T, H, HV, K, V, seed=8)
+    base = torch.randn(B, HV, V, K).mul(0.3).to(sdtype).to(DEVICE)
+    pool = base.clone()
+    slots = torch.arange(B, dtype=torch.int32, device=DEVICE)
+    log = gdn_log_empty(B, T, H, K, HV, V, torch.bfloat16, DEVICE).fill_(float("nan"))
+    parity = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    fused_recurrent_gdn_verify(**prev, state=pool, state_indices=slots, log=log, log_parity=parity,
+                               num_replay=torch.zeros(B, dtype=torch.int32, device=DEVICE), out=nan_out(B, T, HV, V))
+    assert torch.equal(pool, base), "num_replay = 0 must leave the base untouched"
+    parity ^= 1
+    replay = torch.tensor([0, 3, 1], dtype=torch.int32, device=DEVICE)
+    o = fused_recurrent_gdn_verify(**x, state=pool, state_indices=slots, log=log, log_parity=parity,
+                                   num_replay=replay, out=nan_out(B, T, HV, V))
+    ref_log = (prev["k"], prev["v"], prev["a"], prev["b"])
+    o_ref, base_ref = naive_recurrent_gdn_verify_lazy(**x, base=base, log=ref_log, num_replay=replay)
+    assert rel_err(o, o_ref) < TOL[torch.float32] * 50
+    assert rel_err(pool, base_ref) < TOL[sdtype]
+
+
+def test_reference_lazy_equals_reference_eager():
+    B, T, H, HV, K, V = 2, 3, 1, 2, 8, 8
+    prev = make_inputs(B, T, H, HV, K, V, seed=3, device="cpu")
+    x = make_inputs(B, T, H, HV, K, V, seed=4, device="cpu")
+    h0 = torch.randn(B, HV, V, K).to(torch.bfloat16)
+    _, s_prev = naive_recurrent_gdn_verify_eager(**prev, h0=h0)
+    replay = torch.tensor([2, 3])
+    start = torch.stack([s_prev[i, r - 1] for i, r in enumerate(replay.tolist())])
+    o_e, _ = naive_recurrent_gdn_verify_eager(**x, h0=start)
+    o_l, base = naive_recurrent_gdn_verify_lazy(
+        **x, base=h0, log=(prev["k"], prev["v"], prev["a"], prev["b"]), num_replay=replay
+    )
+    assert torch.equal(base, start) and torch.equal(o_l, o_e)
+
+
+def test_negative_slot_is_skipped():
+    B, T, H, HV, K, V = 2, 2, 1, 2, 8, 8
+    x = make_inputs(B, T, H, HV, K, V, seed=5)
+    pool = torch.randn(3, HV, V, K, device=DEVICE)
+    before = pool.clone()
+    log = gdn_log_empty(3, T, H, K, HV, V, torch.bfloat16, DEVICE).fill_(float("nan"))
+    o = fused_recurrent_gdn_verify(
+        **x, state=pool, state_indices=torch.tensor([-1, 1], dtype=torch.int32, device=DEVICE), log=log,
+        log_parity=torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        num_replay=torch.tensor([2, 0], dtype=torch.int32, device=DEVICE), out=nan_out(B, T, HV, V),
+    )
+    assert torch.isnan(o[0]).all() and not torch.isnan(o[1]).any()
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.skipif(not CUDA, reason="real shapes need CUDA")
+@pytest.mark.parametrize("sdtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B", [1, 4, 8])
+def test_real_shapes_gpu(B, sdtype):
+    T, H, HV, K, V = 8, 16, 48, 128, 128
+    h0 = torch.randn(B, HV, V, K, device=DEVICE).mul(0.05).to(sdtype)
+    eager = EagerRunner(h0, T)
+    slots = torch.arange(B, dtype=torch.int32, device=DEVICE) + 1
+    pool = torch.full((B + 1, HV, V, K), float("nan"), dtype=sdtype, device=DEVICE)
+    pool[slots.long()] = h0
+    log = gdn_log_empty(B + 1, T, H, K, HV, V, torch.bfloat16, DEVICE).fill_(float("nan"))
+    parity = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    replay = torch.zeros(B, dtype=torch.int32, device=DEVICE)
+    g = torch.Generator().manual_seed(B)
+    for n in range(4):
+        x = make_inputs(B, T, H, HV, K, V, seed=200 + n)
+        start = eager.states().clone()
+        o_e = eager.step(x, nan_out(B, T, HV, V))
+        o_l = fused_recurrent_gdn_verify(**x, state=pool, state_indices=slots, log=log, log_parity=parity,
+                                         num_replay=replay, out=nan_out(B, T, HV, V))
+        assert torch.equal(o_l, o_e) and torch.equal(pool[slots.long()], start)
+        o_ref, s_ref = naive_recurrent_gdn_verify_eager(**x, h0=start)
+        assert rel_err(o_e, o_ref) < TOL[torch.float32] * 50
+        assert rel_err(eager.pool[torch.tensor(eager._tok, device=DEVICE)], s_ref) < TOL[sdtype]
+        accepted = torch.randint(0, T + 1, (B,), generator=g).tolist()
+        accepted[0] = [0, T, 3, 1][n]
+        eager.accept(accepted)
+        replay = torch.tensor(accepted, dtype=torch.int32, device=DEVICE)
+        parity ^= 1
