@@ -1,0 +1,370 @@
+"""Benchmark: split-KV verify attention vs vLLM 0.32.0's unified_attention vs torch SDPA (H200).
+
+    python -m kernels.verify_attention.bench [--sweep] [--json PATH] [--quick]
+
+Measures the device's copy bandwidth first, then times every provider with CUDA-graph replay
+and a cold L2 (a 256 MiB buffer is overwritten before every replay), median of the replays.
+Providers:
+* ``ours``: kernels.verify_attention on the int8 per-token-head cache.
+* ``vllm``: vLLM 0.32.0's ``unified_attention`` called exactly as ``TritonAttentionImpl.forward``
+  calls it for ``int8_per_token_head`` (H200 metadata: seq_threshold_3D = 128 // Hkv,
+  16 softmax segments). Its Triton files are read from ``$VLLM_REF_DIR`` (default
+  ``.vllm_ref/vllm_ref``: copies of vllm/v1/attention/ops/triton_{unified_attention,
+  attention_helpers}.py with their vllm imports shimmed; never committed).
+* ``sdpa``: torch.nn.functional.scaled_dot_product_attention on a dequantized bf16 copy.
+GB/s counts the bytes each provider must read once (int8 records incl. scales for ours/vllm,
+bf16 K and V for sdpa, plus q and out); % is of the copy bandwidth measured in the same run.
+The error column is ||out - ref|| / ||ref|| against the fp32 reference (reference.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.verify_attention import make_int8_kv_cache, naive_verify_attention, verify_attention
+from kernels.verify_attention import triton as va_triton
+from kernels.verify_attention.reference import Int8KVCache, gather_dequantized
+
+HQ, HKV, D = 24, 4, 256  # Qwen3.8-27B full-attention layers
+FLUSH_BYTES = 256 << 20
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (GB/s), median of 20."""
+    n = 2 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(20):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e-3)
+    del a, b
+    return 2 * n / statistics.median(times) / 1e9
+
+
+def time_graph(fn: Callable[[], object], flush: torch.Tensor, budget_s: float = 0.25) -> float:
+    """Median µs of CUDA-graph replays of fn, L2 flushed before each."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    flush.zero_()
+    e0.record()
+    graph.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    reps = int(min(50, max(5, budget_s / max(e0.elapsed_time(e1) * 1e-3, 1e-6))))
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        e0.record()
+        graph.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3)
+    del graph
+    return statistics.median(times)
+
+
+def load_vllm_unified_attention() -> tuple[Callable[..., object], object] | None:
+    root = Path(os.environ.get("VLLM_REF_DIR", ".vllm_ref/vllm_ref"))
+    if not (root / "triton_unified_attention.py").exists():
+        return None
+    spec = importlib.util.spec_from_file_location(
+        "vllm_ref", root / "__init__.py", submodule_search_locations=[str(root)]
+    )
+    assert spec is not None and spec.loader is not None
+    pkg = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.modules["vllm_ref"] = pkg
+    spec.loader.exec_module(pkg)
+    from vllm_ref._shim import KVQuantMode  # type: ignore[import-not-found]
+    from vllm_ref.triton_unified_attention import (  # type: ignore[import-not-found]
+        unified_attention,
+    )
+
+    return unified_attention, KVQuantMode
+
+
+class Problem:
+    """One benchmark shape: B requests of ctx keys, T query tokens each, random paged cache."""
+
+    def __init__(
+        self, pool: Int8KVCache, batch: int, ctx: int, t: int, hq: int, window: int = 0
+    ) -> None:
+        page = pool.block_size
+        nblk = -(-ctx // page)
+        perm = torch.randperm(pool.k.shape[0], device="cuda")[: batch * nblk]
+        self.block_table = perm.view(batch, nblk).int().contiguous()
+        self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        self.cu_q = torch.arange(0, batch * t + 1, t, dtype=torch.int32, device="cuda")
+        self.q = torch.randn(batch * t, hq, pool.head_size, device="cuda").bfloat16()
+        self.out = torch.full_like(self.q, float("nan"))
+        self.pool, self.batch, self.ctx, self.t, self.window = pool, batch, ctx, t, window
+        self.win = (window - 1, 0) if window else (-1, -1)
+
+    @property
+    def int8_bytes(self) -> int:
+        hkv, d = self.pool.k.shape[2], self.pool.head_size
+        keys = min(self.ctx, self.window + self.t - 1) if self.window else self.ctx
+        return self.batch * keys * hkv * 2 * (d + 4) + 2 * self.q.numel() * 2
+
+    @property
+    def bf16_bytes(self) -> int:
+        hkv, d = self.pool.k.shape[2], self.pool.head_size
+        keys = min(self.ctx, self.window + self.t - 1) if self.window else self.ctx
+        return self.batch * keys * hkv * 2 * d * 2 + 2 * self.q.numel() * 2
+
+    def ours(self, **kw: object) -> Callable[[], object]:
+        p = self.pool
+
+        def run() -> object:
+            if kw:
+                return va_triton.verify_attention_fwd(
+                    self.q, p.k, p.v, self.out, self.cu_q, self.t, self.seq_lens, self.ctx,
+                    1 / math.sqrt(p.head_size), self.window, self.block_table,
+                    p.k_scale, p.v_scale, **kw,  # type: ignore[arg-type]
+                )  # fmt: skip
+            return verify_attention(
+                self.q, p.k, p.v, self.out, self.cu_q, self.t, self.seq_lens, self.ctx, None,
+                self.win, self.block_table, p.k_scale, p.v_scale,
+            )  # fmt: skip
+
+        return run
+
+    def vllm(self, ua: Callable[..., object], kv_quant_mode: object) -> Callable[[], object]:
+        """As TritonAttentionImpl.forward calls it (metadata as the builder makes it on SM90)."""
+        p, hq = self.pool, self.q.shape[1]
+        hkv = p.k.shape[2]
+        threshold = 128 // hkv  # MIN_LAUNCH_GRID_SIZE_2D // num_kv_heads
+        segs = 16  # NUM_PAR_SOFTMAX_SEGMENTS
+        dpad = 1 << (p.head_size - 1).bit_length()
+        segm_out = torch.empty(threshold, hq, segs, dpad, dtype=torch.float32, device="cuda")
+        segm_max = torch.empty(threshold, hq, segs, dtype=torch.float32, device="cuda")
+        segm_sum = torch.empty(threshold, hq, segs, dtype=torch.float32, device="cuda")
+
+        def run() -> object:
+            return ua(
+                q=self.q, k=p.k, v=p.v, out=self.out, cu_seqlens_q=self.cu_q,
+                max_seqlen_q=self.t, seqused_k=self.seq_lens, max_seqlen_k=self.ctx,
+                softmax_scale=1 / math.sqrt(p.head_size), causal=True, alibi_slopes=None,
+                use_alibi_sqrt=False, window_size=self.win, block_table=self.block_table,
+                softcap=0, q_descale=None, k_descale=None, v_descale=None,
+                seq_threshold_3D=threshold, num_par_softmax_segments=segs,
+                softmax_segm_output=segm_out, softmax_segm_max=segm_max,
+                softmax_segm_expsum=segm_sum, sinks=None, output_scale=None,
+                mm_prefix_range=None, rswa_prefix_lens=None, rswa_window=None,
+                kv_quant_mode=kv_quant_mode, k_scale_cache=p.k_scale, v_scale_cache=p.v_scale,
+                chunk_lookback=-1, use_td=False, mm_prefix_clamp_sliding_window=False,
+            )  # fmt: skip
+
+        return run
+
+    def sdpa(self) -> Callable[[], object]:
+        ks, vs = [], []
+        for i in range(self.batch):
+            k, v = gather_dequantized(self.pool, self.block_table[i], self.ctx)
+            ks.append(k.bfloat16().transpose(0, 1))
+            vs.append(v.bfloat16().transpose(0, 1))
+        k, v = torch.stack(ks), torch.stack(vs)  # [B, Hkv, L, D]
+        q = self.q.view(self.batch, self.t, -1, self.pool.head_size).transpose(1, 2)
+        q_pos = torch.arange(self.ctx - self.t, self.ctx, device="cuda")[:, None]
+        k_pos = torch.arange(self.ctx, device="cuda")[None, :]
+        mask = None if self.t == 1 else (k_pos <= q_pos)
+
+        def run() -> object:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+        return run
+
+    def error(self) -> float:
+        ref = naive_verify_attention(
+            self.q, self.pool, self.cu_q, self.seq_lens, self.block_table, window_size=self.win
+        )
+        bad = torch.isnan(self.out).any().item()
+        err = ((self.out.float() - ref).norm() / ref.norm()).item()
+        self.out.fill_(float("nan"))
+        return float("nan") if bad else err
+
+
+def make_pool(tokens: int, page: int, hkv: int, d: int) -> Int8KVCache:
+    nblk = -(-tokens // page) + 8
+    pool = make_int8_kv_cache(nblk, page, hkv, d, "cuda")
+    raw = pool.raw.as_strided((pool.raw.untyped_storage().nbytes(),), (1,))
+    raw.random_(-128, 128)
+    pool.k_scale.uniform_(0.004, 0.03)
+    pool.v_scale.uniform_(0.004, 0.03)
+    return pool
+
+
+def row(label: str, us: float, nbytes: int, bw: float, base: float | None, err: float) -> dict:
+    gbs = nbytes / us / 1e3
+    r = {"case": label, "us": us, "GBps": gbs, "pct_copy": 100 * gbs / bw, "err": err}
+    if base is not None:
+        r["speedup_vs_vllm"] = base / us
+    return r
+
+
+def fmt(r: dict) -> str:
+    sp = f"{r['speedup_vs_vllm']:8.1f}x" if "speedup_vs_vllm" in r else " " * 9
+    err = f"{r['err']:.1e}" if r["err"] == r["err"] else "   -   "
+    return (
+        f"{r['case']:<40} {r['us']:10.1f} {r['GBps']:8.0f} {r['pct_copy']:6.1f}% {sp} {err}"
+    )
+
+
+HEADER = f"{'case':<40} {'us':>10} {'GB/s':>8} {'%copy':>7} {'vs vllm':>9} err"
+
+
+def sweep(pool: Int8KVCache, flush: torch.Tensor, bw: float, out: list) -> None:
+    """Launch-parameter sweep at 100K (picks the defaults in triton.py)."""
+    for t, grid in (
+        (1, [(bn, w, s) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)]),
+        (8, [(bn, w, s) for bn in (32, 64) for w in (4, 8) for s in (1, 2, 3)]),
+        (16, [(bn, 8, s) for bn in (32, 64) for s in (1, 2)]),
+    ):
+        prob = Problem(pool, 1, 100_000, t, HQ)
+        best = None
+        for bn, w, s in grid:
+            try:
+                us = time_graph(prob.ours(block_n=bn, num_warps=w, num_stages=s), flush)
+            except Exception as exc:  # noqa: BLE001 - report and go on (e.g. out of smem)
+                print(f"T={t} bn={bn} w={w} s={s}: {type(exc).__name__}: {str(exc)[:80]}")
+                continue
+            r = row(f"sweep T={t} bn={bn} w={w} st={s}", us, prob.int8_bytes, bw, None, 0.0)
+            out.append(r)
+            print(fmt(r), flush=True)
+            if best is None or us < best[0]:
+                best = (us, bn, w, s)
+        if best is None:
+            continue
+        _, bn, w, s = best
+        for splits in (8, 16, 33, 66, 132, 264):
+            for asm in (True, False):
+                us = time_graph(
+                    prob.ours(block_n=bn, num_warps=w, num_stages=s, num_splits=splits,
+                              use_asm=asm),
+                    flush,
+                )  # fmt: skip
+                tag = f"sweep T={t} best splits={splits} asm={int(asm)}"
+                r = row(tag, us, prob.int8_bytes, bw, None, 0.0)
+                out.append(r)
+                print(fmt(r), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="launch-parameter sweep at 100K")
+    ap.add_argument("--quick", action="store_true", help="100K only")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    results: list[dict] = []
+    bw = copy_bandwidth()
+    dev = torch.cuda.get_device_name()
+    print(f"device {dev}; copy bandwidth {bw:.0f} GB/s (read + write, 2 GiB buffer)", flush=True)
+    results.append({"case": "copy", "GBps": bw, "device": dev})
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    vllm = load_vllm_unified_attention()
+    if vllm is None:
+        print("vLLM reference files not found: set VLLM_REF_DIR (see module docstring)")
+
+    contexts = [100_000] if args.quick else [8_192, 32_768, 100_000, 200_000]
+    pool = make_pool(4 * max(contexts) + 64, 16, HKV, D)
+    if args.sweep:
+        sweep(pool, flush, bw, results)
+
+    # The anchor first: vLLM at 100K, T=8, batch 1 (issue 6 measured 11,524 µs).
+    print(HEADER, flush=True)
+    cases = [(ctx, t, b) for ctx in contexts for t in (1, 8, 16) for b in (1, 4)]
+    cases.sort(key=lambda c: c != (100_000, 8, 1))
+    for ctx, t, b in cases:
+        prob = Problem(pool, b, ctx, t, HQ)
+        base = None
+        label = f"ctx={ctx} T={t} b={b}"
+        if vllm is not None:
+            fn = prob.vllm(*vllm)
+            fn()
+            err = prob.error()
+            base = time_graph(fn, flush)
+            r = row(f"{label} vllm", base, prob.int8_bytes, bw, None, err)
+            results.append(r)
+            print(fmt(r), flush=True)
+        fn = prob.ours()
+        fn()
+        err = prob.error()
+        r = row(f"{label} ours", time_graph(fn, flush), prob.int8_bytes, bw, base, err)
+        results.append(r)
+        print(fmt(r), flush=True)
+        try:
+            fn = prob.sdpa()
+            r = row(f"{label} sdpa-bf16", time_graph(fn, flush), prob.bf16_bytes, bw, base, 0)
+            r["err"] = float("nan")
+            results.append(r)
+            print(fmt(r), flush=True)
+        except Exception as exc:  # noqa: BLE001 - SDPA may not support a shape; say so
+            print(f"{label} sdpa-bf16: {type(exc).__name__}: {str(exc)[:100]}")
+        del prob
+        torch.cuda.empty_cache()
+
+    # Page size 1,616 (fp32 GDN state, 7 draft tokens) and the drafter's sliding-window layers.
+    del pool
+    torch.cuda.empty_cache()
+    pool = make_pool(100_000 + 4096, 1616, HKV, D)
+    extra = [(pool, 1, 100_000, t, HQ, 0, f"page=1616 ctx=100000 T={t} b=1") for t in (1, 8)]
+    swa = make_pool(4 * 100_000 + 64, 16, 8, 128)
+    extra += [
+        (swa, b, 100_000, t, 32, 2048, f"swa 8x128 w=2048 ctx=100000 T={t} b={b}")
+        for t in (1, 8)
+        for b in (1, 4)
+    ]
+    print(HEADER, flush=True)
+    for p, b, ctx, t, hq, window, label in extra:
+        prob = Problem(p, b, ctx, t, hq, window)
+        base = None
+        if vllm is not None:
+            fn = prob.vllm(*vllm)
+            fn()
+            err = prob.error()
+            base = time_graph(fn, flush)
+            r = row(f"{label} vllm", base, prob.int8_bytes, bw, None, err)
+            results.append(r)
+            print(fmt(r), flush=True)
+        fn = prob.ours()
+        fn()
+        err = prob.error()
+        r = row(f"{label} ours", time_graph(fn, flush), prob.int8_bytes, bw, base, err)
+        results.append(r)
+        print(fmt(r), flush=True)
+
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
