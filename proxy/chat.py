@@ -19,11 +19,11 @@ from typing import Any
 
 from proxy.admission import Admission, Footprint, NoAdmission, Ticket
 from proxy.chat_output import (
-    DONE, ChunkWriter, assistant_message, completion_body, completion_id, finish_reason, tool_call_id,
+    DONE, ArgumentsGate, ChunkWriter, assistant_message, completion_body, completion_id, finish_reason, tool_call_id,
     usage_dict,
 )
 from proxy.errors import InvalidRequest, ProxyError, UpstreamError
-from proxy.format.base import ChatFormat, FormatError, OutputParser, Rendered
+from proxy.format.base import ChatFormat, FormatError, OutputParser, ParsedOutput, Rendered
 from proxy.format.template import TemplateError
 from proxy.idstext import IdsText
 from proxy.metrics import Metrics
@@ -246,27 +246,34 @@ class ChatTurn:
         m.cached_tokens.inc(cached)
         return usage_dict(prompt, len(self.generated), cached)
 
-    async def _finish(self, parser: OutputParser) -> tuple[dict[str, Any], str]:
+    async def _finish(self, parser: OutputParser) -> tuple[ParsedOutput, dict[str, Any], str]:
         if self.upstream_finish not in ("stop", "length"):
             raise UpstreamError(f"generation ended with finish_reason={self.upstream_finish!r}")
-        reply = assistant_message(parser.result())
+        parsed = parser.result()
+        reply = assistant_message(parsed)
         finish = finish_reason(self.upstream_finish, bool(reply.get("tool_calls")))
         await self.service.remember(self.plan, self.generated, finish, reply)
-        return reply, finish
+        return parsed, reply, finish
 
     async def sse(self) -> AsyncIterator[bytes]:
         svc = self.service
         writer = ChunkWriter(self.id, svc.model_name)
         parser = svc.parser(self.plan)
+        gate = ArgumentsGate()
         try:
             ids_out = self.plan.norm.return_token_ids
             # Early: harness watchdogs count the time to the first byte.
             yield writer.role(self.plan.prompt if ids_out else None)
             async for deltas in self._events(parser):
-                chunk = writer.deltas(deltas)
+                chunk = writer.deltas(gate.filter(deltas))
                 if chunk:
                     yield chunk
-            reply, finish = await self._finish(parser)
+            parsed, _, finish = await self._finish(parser)
+            rest = gate.flush(parsed)
+            if rest:
+                yield writer.deltas(rest)
+            for index, sent, final in gate.mismatches:
+                log.error("tool call %d: streamed arguments %r differ from parsed %r", index, sent, final)
             yield writer.finish(finish, self.generated if ids_out else None)
             if self.plan.norm.include_usage:
                 yield writer.usage(self._usage())
@@ -288,7 +295,7 @@ class ChatTurn:
         try:
             async for _ in self._events(parser):
                 pass
-            reply, finish = await self._finish(parser)
+            _, reply, finish = await self._finish(parser)
             svc.metrics.requests.labels("chat", "200").inc()
             body = completion_body(self.id, svc.model_name, reply, finish, self._usage())
             if self.plan.norm.return_token_ids:

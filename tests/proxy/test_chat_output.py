@@ -1,0 +1,54 @@
+"""Output assembly: chunk bytes are valid OpenAI chunks; the arguments gate never lets a client
+concatenate broken JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from proxy.chat_output import ArgumentsGate, ChunkWriter, finish_reason
+from proxy.format.base import Delta, DeltaKind, ParsedOutput, ToolCall
+
+pytestmark = pytest.mark.unit
+
+
+def _events(raw: bytes) -> list[dict]:  # type: ignore[type-arg]
+    return [json.loads(line[6:]) for line in raw.split(b"\n\n") if line.startswith(b"data: {")]
+
+
+def test_chunks_parse_and_merge_text() -> None:
+    w = ChunkWriter("chatcmpl-1", "m", created=5)
+    (role,) = _events(w.role())
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    out = _events(w.deltas([Delta(DeltaKind.REASONING, "a"), Delta(DeltaKind.REASONING, "b"),
+                            Delta(DeltaKind.CONTENT, "c"),
+                            Delta(DeltaKind.TOOL_CALL, index=0, id="call_1", name="f"),
+                            Delta(DeltaKind.ARGUMENTS, "{}", index=0)]))
+    assert out[0]["choices"][0]["delta"] == {"reasoning_content": "ab", "content": "c", "reasoning": "ab"}
+    assert out[1]["choices"][0]["delta"]["tool_calls"][0] == {
+        "index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}
+    assert out[2]["choices"][0]["delta"]["tool_calls"][0] == {"index": 0, "function": {"arguments": "{}"}}
+    (fin,) = _events(w.finish("tool_calls"))
+    assert fin["choices"][0]["finish_reason"] == "tool_calls" and fin["object"] == "chat.completion.chunk"
+    (usage,) = _events(w.usage({"prompt_tokens": 1}))
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 1}
+    assert w.deltas([]) == b""
+
+
+def test_finish_reason() -> None:
+    assert finish_reason("stop", True) == "tool_calls"
+    assert finish_reason("stop", False) == "stop"
+    assert finish_reason("length", True) == "length"
+
+
+def test_gate_releases_complete_objects_and_repairs_broken_fragments() -> None:
+    gate = ArgumentsGate()
+    good = [Delta(DeltaKind.ARGUMENTS, t, index=0) for t in ('{"a": ', '1', '}')]
+    released = [d for part in good for d in gate.filter([part])]
+    assert [d.text for d in released] == ['{"a": 1}']
+    broken = [Delta(DeltaKind.ARGUMENTS, t, index=1) for t in ('{"p": "', "x", "\\n</parameter")]
+    assert [d for part in broken for d in gate.filter([part])] == []
+    final = ParsedOutput(None, None, (ToolCall("call_0", "f", '{"a": 1}'), ToolCall("call_1", "g", '{"p": "x"}')))
+    assert [(d.index, d.text) for d in gate.flush(final)] == [(1, '{"p": "x"}')]
+    assert gate.mismatches == []
