@@ -11,10 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from types import SimpleNamespace
+
 from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -62,6 +65,12 @@ def _groups(layout: Layout) -> list[KVCacheGroupSpec]:
     return groups
 
 
+@dataclass(frozen=True)
+class Probe:
+    hit: int
+    mamba_block: KVCacheBlock | None
+
+
 class Sim:
     def __init__(self, layout: Layout = Layout()) -> None:
         self.layout = layout
@@ -82,6 +91,21 @@ class Sim:
             enable_caching=True,
         )
         self._next_id = 0
+        # The fields Scheduler._mamba_block_aligned_split reads, so chunks stop where the real
+        # scheduler stops them (block boundaries, the prompt's hash-aligned tail).
+        self._split_state = SimpleNamespace(
+            cache_config=SimpleNamespace(block_size=layout.block_size),
+            block_size=layout.block_size,
+            hash_block_size=layout.unit,
+            mamba_partial_cache_hit=layout.unit < layout.block_size and self.fine_grained,
+            mamba_shared_prefix_checkpoint=False,
+            mamba_has_prefill_checkpoint_blocks=True,
+            mamba_prefill_checkpoint_alignment=layout.unit,
+            use_eagle_block_drop=False,
+            max_num_scheduled_tokens=2048,
+            scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+            kv_cache_manager=self.manager,
+        )
 
     @property
     def fine_grained(self) -> bool:
@@ -94,21 +118,36 @@ class Sim:
         self.manager.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         self.manager.new_step_starts()
 
-    def turn(self, prompt: list[int], output: list[int], chunk: int = 2048) -> int:
-        """Run one request (prompt, then `output` decoded one token per step); return its hit."""
+    def probe(self, tokens: list[int]) -> Probe:
+        """The prefix hit a new request for `tokens` would get (nothing is allocated)."""
+        request = self._request(tokens, max_tokens=1)
+        blocks, hit, _ = self.manager.get_computed_blocks(request)
+        mamba = blocks.blocks[1]
+        return Probe(hit=hit, mamba_block=mamba[-1] if mamba else None)
+
+    def _request(self, prompt: list[int], max_tokens: int) -> Request:
         self._next_id += 1
-        request = Request(
+        return Request(
             request_id=f"r{self._next_id}",
             prompt_token_ids=list(prompt),
-            sampling_params=SamplingParams(max_tokens=len(output) or 1),
+            sampling_params=SamplingParams(max_tokens=max_tokens),
             pooling_params=None,
             block_hasher=self.hasher,
         )
+
+    def turn(self, prompt: list[int], output: list[int], chunk: int = 2048) -> int:
+        """Run one request (prompt, then `output` decoded one token per step); return its hit."""
+        request = self._request(prompt, max_tokens=len(output) or 1)
         blocks, hit, _ = self.manager.get_computed_blocks(request)
         new_computed = blocks
         while request.num_computed_tokens < len(prompt):
             start = request.num_computed_tokens or hit
-            n = min(chunk, len(prompt) - start)
+            n = Scheduler._mamba_block_aligned_split(
+                self._split_state,  # type: ignore[arg-type]
+                request,
+                min(chunk, len(prompt) - start),
+                hit if new_computed is not None else 0,
+            )
             allocated = self.manager.allocate_slots(
                 request,
                 n,
