@@ -1,0 +1,106 @@
+"""Lookup-drafting scan: Triton proposals identical to the serial reference.  CPU: TRITON_INTERPRET=1
+on small histories; real lengths (up to 256K) run only with CUDA."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+CUDA = torch.cuda.is_available()
+if not CUDA:  # must precede the first @triton.jit decoration
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from kernels.lookup_scan import lookup_scan, naive_lookup_scan  # noqa: E402
+
+pytestmark = pytest.mark.kernels
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def check(tok, lens, min_n, max_n, k, **kw):
+    B = tok.shape[0] if kw.get("req_indices") is None else kw["req_indices"].shape[0]
+    out = (torch.full((B, k), -7, dtype=torch.int64, device=DEVICE),
+           torch.full((B,), -7, dtype=torch.int32, device=DEVICE))
+    d, n = lookup_scan(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, k, out=out, **kw)
+    rows = kw.get("req_indices")
+    rows = torch.arange(tok.shape[0]) if rows is None else rows.cpu()
+    dr, nr = naive_lookup_scan(tok[rows], lens[rows], min_n, max_n, k)
+    assert torch.equal(n.cpu(), nr), (n.cpu(), nr)
+    assert torch.equal(d.cpu(), dr)
+    return nr
+
+
+def repetitive(B, S, vocab, seed, dtype=torch.int32):
+    """Histories built by copying earlier spans (agents quoting their context)."""
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.randint(0, vocab, (B, S), generator=g)
+    for i_b in range(B):
+        p = 64
+        while p < S - 40:
+            n = int(torch.randint(8, 40, (1,), generator=g))
+            src = int(torch.randint(0, p - n, (1,), generator=g))
+            tok[i_b, p : p + n] = tok[i_b, src : src + n].clone()
+            p += n + int(torch.randint(0, 30, (1,), generator=g))
+    return tok.to(dtype)
+
+
+@pytest.mark.parametrize("min_n,max_n", [(5, 5), (2, 7), (1, 3)], ids=lambda x: str(x))
+def test_random_small_vocab(min_n, max_n):
+    g = torch.Generator().manual_seed(min_n * 10 + max_n)
+    tok = torch.randint(0, 4, (3, 2500), generator=g, dtype=torch.int32)
+    lens = torch.tensor([2500, 1999, 1025], dtype=torch.int32)
+    check(tok, lens, min_n, max_n, 7, programs_per_request=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
+def test_repetitive_histories(dtype):
+    tok = repetitive(2, 3000, 50000, seed=1, dtype=dtype)
+    lens = torch.tensor([3000, 2047])
+    for i_b, L in enumerate(lens.tolist()):  # the history ends quoting an earlier span
+        tok[i_b, L - 20 : L] = tok[i_b, 500:520].clone()
+    nr = check(tok, lens, 6, 12, 7, programs_per_request=2)
+    assert (nr > 0).all(), "the repetitive histories should match"
+
+
+def test_no_match_and_short_histories():
+    tok = torch.arange(4 * 1500, dtype=torch.int32).reshape(4, 1500)  # all distinct
+    lens = torch.tensor([1500, 6, 1, 0], dtype=torch.int32)
+    nr = check(tok, lens, 5, 5, 7, programs_per_request=2)
+    assert (nr == 0).all()
+
+
+def test_ties_most_recent_wins_and_clipping():
+    g = torch.Generator().manual_seed(3)
+    tok = torch.randint(100, 1000, (3, 1200), generator=g, dtype=torch.int32)
+    pat = torch.tensor([1, 2, 3, 4, 5, 6])
+    for p in (10, 400, 1100):  # the same 6-gram three times; the suffix is a fourth copy
+        tok[0, p : p + 6] = pat
+    tok[0, 1194:1200] = pat
+    tok[1, :] = 9  # one token repeated: overlapping matches, draft clipped at the end
+    tok[2, 1190:1200] = torch.tensor([1, 2, 3, 4, 5, 1, 2, 3, 4, 5])  # overlap with the suffix
+    lens = torch.tensor([1200, 1200, 1200])
+    nr = check(tok, lens, 3, 6, 7, programs_per_request=2)
+    assert nr.tolist() == [7, 1, 5]
+
+
+def test_req_indices_and_workspace_reuse():
+    tok = repetitive(4, 2000, 1000, seed=5)
+    lens = torch.tensor([2000, 1500, 1800, 700], dtype=torch.int32)
+    ws = torch.zeros(6, dtype=torch.int64, device=DEVICE)
+    rows = torch.tensor([3, 0, 2], device=DEVICE)
+    for min_n, max_n in [(6, 12), (5, 5)]:
+        check(tok, lens, min_n, max_n, 5, req_indices=rows, workspace=ws, programs_per_request=2)
+        assert not ws.any(), "the kernel must leave the workspace zeroed"
+
+
+@pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
+@pytest.mark.parametrize("S", [8192, 100_000, 262_144])
+@pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
+def test_real_lengths_gpu(S, min_n, max_n):
+    tok = torch.cat([repetitive(4, S, 150_000, seed=S), torch.randint(0, 8, (4, S), dtype=torch.int32)])
+    lens = torch.tensor([S, S - 1, S // 2 + 3, 1000, S, S - 5, 77, S // 3], dtype=torch.int32)
+    ws = torch.zeros(16, dtype=torch.int64, device=DEVICE)
+    for _ in range(2):
+        check(tok, lens, min_n, max_n, 7, workspace=ws)
