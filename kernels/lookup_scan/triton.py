@@ -59,7 +59,7 @@ def lookup_scan_kernel(
     if ticket == P - 1:
         best = tl.atomic_xchg(ws + i_b, 0)
         tl.atomic_xchg(ws + B + i_b, 0)
-        start = best & 0xFFFFFFFF
+        start = best - ((best >> 32) << 32)  # e + 1 of the winning end position
         nv = tl.where(best > 0, tl.minimum(L - start, K_DRAFT), 0)
         o_d = tl.arange(0, KP)
         tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)

@@ -56,14 +56,15 @@ def nan_out(B, T, HV, V):
     return torch.full((B, T, HV, V), float("nan"), device=DEVICE)
 
 
-SHAPES = [
-    pytest.param(3, 5, 2, 6, 24, 20, id="B3-T5-H2-HV6-K24-V20"),
-    pytest.param(2, 3, 1, 3, 16, 40, id="B2-T3-H1-HV3-K16-V40"),
+CASES = [
+    pytest.param(3, 5, 2, 6, 24, 20, torch.float32, id="B3-T5-H2-HV6-K24-V20-fp32"),
+    pytest.param(3, 5, 2, 6, 24, 20, torch.bfloat16, id="B3-T5-H2-HV6-K24-V20-bf16"),
+    pytest.param(3, 5, 2, 6, 24, 20, torch.float16, id="B3-T5-H2-HV6-K24-V20-fp16"),
+    pytest.param(2, 3, 1, 3, 16, 40, torch.float32, id="B2-T3-H1-HV3-K16-V40-fp32"),
 ]
 
 
-@pytest.mark.parametrize("sdtype", DTYPES, ids=str)
-@pytest.mark.parametrize("B,T,H,HV,K,V", SHAPES)
+@pytest.mark.parametrize("B,T,H,HV,K,V,sdtype", CASES)
 def test_eager_matches_reference(B, T, H, HV, K, V, sdtype):
     x = make_inputs(B, T, H, HV, K, V, seed=1)
     h0 = torch.randn(B, HV, V, K).mul(0.3).to(sdtype).to(DEVICE)
@@ -111,8 +112,8 @@ class EagerRunner:
 
 @pytest.mark.parametrize("sdtype", DTYPES, ids=str)
 def test_lazy_bit_identical_to_eager(sdtype):
-    B, T, H, HV, K, V = 3, 4, 2, 4, 16, 24
-    steps = [[0, 4, 2], [4, 1, 0], [3, 4, 4], [0, 0, 1], [2, 3, 4]]  # accepted after each step
+    B, T, H, HV, K, V = 3, 4, 2, 4, 16, 12
+    steps = [[0, 4, 2], [4, 1, 0], [3, 4, 4], [0, 0, 1]]  # accepted after each step
     h0 = torch.randn(B, HV, V, K).mul(0.3).to(sdtype).to(DEVICE)
     eager = EagerRunner(h0, T)
     slots = torch.tensor([2, 0, 5], dtype=torch.int32, device=DEVICE)

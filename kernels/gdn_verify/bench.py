@@ -1,0 +1,232 @@
+"""Benchmark: GDN verify step per layer on the GPU (CUDA-graph replay, L2 flushed before each).
+
+    python -m kernels.gdn_verify.bench [--sweep] [--vllm-ref .vllm_ref]
+
+Providers (Qwen3.5-27B GDN shapes: H=16, HV=48, K=V=128, T=8 verify tokens):
+  ours r=T / r=3   lazy commit, replaying T (all accepted) or 3 tokens of the previous step's log
+  vllm eager       vLLM 0.32.0's fused_sigmoid_gating_delta_rule_update (1 state read, T writes),
+                   copied into an ignored folder (never committed); skipped when absent
+  fla 1 call       fla-core's fused_recurrent_gated_delta_rule over the T tokens (1 read, 1 fp32
+                   write, cannot resume from a rejected token); gates fused in-kernel
+  fla T x 1        T one-token fla calls (resumable the naive way)
+Bytes are what each provider must move (state, log, inputs, outputs); "%bw" is bytes/time over the
+device-to-device copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kernels.gdn_verify import (
+    fused_recurrent_gdn_verify,
+    fused_recurrent_gdn_verify_eager,
+    gdn_log_empty,
+)
+from kernels.gdn_verify.triton import gdn_verify_fwd
+
+H, HV, K, V = 16, 48, 128, 128
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    src = torch.randn(256 << 20, device="cuda")
+    dst = torch.empty_like(src)
+    ts = time_graph(lambda: dst.copy_(src), reps=20, flush=False)
+    return 2 * src.numel() * 4 / (ts * 1e-6)
+
+
+def time_graph(fn: Callable[[], object], reps: int = 200, flush: bool = True) -> float:
+    """Median µs of one CUDA-graph replay of fn, with L2 flushed (256 MB memset) before each."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    scrub = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for st, en in ev:
+        if flush:
+            scrub.zero_()
+        st.record()
+        g.replay()
+        en.record()
+    torch.cuda.synchronize()
+    return statistics.median(st.elapsed_time(en) * 1e3 for st, en in ev)
+
+
+def load_vllm(ref_dir: Path):
+    path = ref_dir / "fused_sigmoid_gating.py"
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("vllm_fused_sigmoid_gating", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.fused_sigmoid_gating_delta_rule_update
+
+
+def load_fla():
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    except ImportError:
+        return None
+    return fused_recurrent_gated_delta_rule
+
+
+def inputs(B: int, T: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
+    return dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, HV, V), a=r(B, T, HV), b=r(B, T, HV),
+                A_log=torch.rand(HV, device="cuda", generator=g) - 0.5,
+                dt_bias=torch.randn(HV, device="cuda", generator=g) * 0.5)
+
+
+def io_bytes(B: int, T: int) -> int:
+    return B * T * (2 * H * K + 2 * HV * V + 2 * HV) * 2  # q, k, v, o, a, b in bf16
+
+
+def case_ours(B, T, sd, r, config=None):
+    x = inputs(B, T)
+    state = (torch.randn(B + 1, HV, V, K, device="cuda") * 0.05).to(sd)
+    log = gdn_log_empty(B + 1, T, H, K, HV, V, torch.bfloat16, "cuda")
+    slots = torch.arange(1, B + 1, dtype=torch.int32, device="cuda")
+    par = torch.zeros(1, dtype=torch.int32, device="cuda")
+    zero = torch.zeros(B, dtype=torch.int32, device="cuda")
+    fused_recurrent_gdn_verify(**x, state=state, state_indices=slots, log=log, log_parity=par, num_replay=zero)
+    par ^= 1  # the log of the step above is now the previous step's
+    replay = torch.full((B,), r, dtype=torch.int32, device="cuda")
+    o = torch.empty(B, T, HV, V, dtype=torch.bfloat16, device="cuda")
+
+    def fn():
+        gdn_verify_fwd(**x, state=state, init_idx=slots, num_k_heads=H, log=log, log_parity=par,
+                       num_replay=replay, out=o, config=config)
+
+    row = H * K + HV * V + 2 * HV
+    nbytes = B * HV * V * K * sd.itemsize * (1 + (r > 0)) + B * (r + T) * row * 2 + io_bytes(B, T)
+    return fn, nbytes
+
+
+def case_vllm(vllm_fn, B, T, sd):
+    """vLLM's spec path: request n owns T slots spec_state_indices[n]; it starts from column
+    num_accepted - 1 and writes the state after token t into column t (slot 0 is vLLM's null)."""
+    x = inputs(B, T)
+    state = (torch.randn(1 + B * T, HV, V, K, device="cuda") * 0.05).to(sd)
+    idx = (1 + torch.arange(B * T, device="cuda", dtype=torch.int32)).view(B, T)
+    acc = torch.full((B,), T, dtype=torch.int32, device="cuda")
+    cu = torch.arange(0, B * T + 1, T, device="cuda", dtype=torch.int32)
+    q, k, v = (x[n].view(1, B * T, *x[n].shape[2:]) for n in "qkv")
+    a, b = x["a"].view(B * T, HV), x["b"].view(B * T, HV)
+
+    def fn():
+        vllm_fn(x["A_log"], a, b, x["dt_bias"], q, k, v, initial_state=state, inplace_final_state=True,
+                cu_seqlens=cu, ssm_state_indices=idx, num_accepted_tokens=acc, use_qk_l2norm_in_kernel=True)
+
+    nbytes = B * HV * V * K * sd.itemsize * (1 + T) + io_bytes(B, T)
+    return fn, nbytes
+
+
+def compare_vllm(vllm_fn, B: int, T: int, sd: torch.dtype) -> str:
+    """Our eager kernel against vLLM's on the same data: max |difference| of outputs and states."""
+    x = inputs(B, T, seed=1)
+    state = (torch.randn(1 + B * T, HV, V, K, device="cuda") * 0.05).to(sd)
+    ours = state.clone()
+    idx = (1 + torch.arange(B * T, device="cuda", dtype=torch.int32)).view(B, T)
+    acc = torch.randint(1, T + 1, (B,), device="cuda", dtype=torch.int32)
+    cu = torch.arange(0, B * T + 1, T, device="cuda", dtype=torch.int32)
+    o_v, _ = vllm_fn(x["A_log"], x["a"].view(B * T, HV), x["b"].view(B * T, HV), x["dt_bias"],
+                     *(x[n].view(1, B * T, *x[n].shape[2:]) for n in "qkv"), initial_state=state,
+                     inplace_final_state=True, cu_seqlens=cu, ssm_state_indices=idx,
+                     num_accepted_tokens=acc, use_qk_l2norm_in_kernel=True)
+    init = idx.gather(1, (acc - 1).long()[:, None]).squeeze(1).contiguous()
+    o_o = fused_recurrent_gdn_verify_eager(**x, state=ours, init_indices=init, token_indices=idx)
+    do = (o_v.view_as(o_o).float() - o_o.float()).abs().max().item()
+    ds = (state.float() - ours.float()).abs().max().item()
+    same = torch.equal(o_v.view_as(o_o), o_o) and torch.equal(state, ours)
+    return f"outputs max|d| {do:.2e}, states max|d| {ds:.2e}, bit-identical: {same}"
+
+
+def case_fla(fla_fn, B, T, sd, steps):
+    x = inputs(B, T)
+    h0 = (torch.randn(B, HV, V, K, device="cuda") * 0.05).to(sd)
+    Tc = T // steps
+    chunks = [{n: x[n][:, s * Tc : (s + 1) * Tc].contiguous() for n in "qkvab"} for s in range(steps)]
+
+    def fn():
+        h = h0
+        for c in chunks:
+            _, h = fla_fn(c["q"], c["k"], c["v"], g=c["a"], beta=c["b"], initial_state=h,
+                          output_final_state=True, use_qk_l2norm_in_kernel=True,
+                          use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
+                          use_beta_sigmoid_in_kernel=True, state_v_first=True)
+
+    nbytes = B * HV * V * K * (sd.itemsize + 4) * steps + io_bytes(B, T)
+    return fn, nbytes
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, default=8)
+    ap.add_argument("--batches", default="1,4,8")
+    ap.add_argument("--sweep", action="store_true", help="time (BV, num_warps) configs of ours, fp32")
+    ap.add_argument("--vllm-ref", type=Path, default=Path(".vllm_ref"))
+    args = ap.parse_args()
+    T, batches = args.T, [int(b) for b in args.batches.split(",")]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
+          f"copy bandwidth (read+write) {bw / 1e12:.2f} TB/s")
+    if args.sweep:
+        for B in batches:
+            res = []
+            for cfg in [(8, 1), (16, 1), (32, 1), (16, 2), (32, 2), (32, 4), (64, 4)]:
+                fn, _ = case_ours(B, T, torch.float32, T, config=cfg)
+                res.append(f"BV{cfg[0]}/w{cfg[1]} {time_graph(fn, reps=100):.1f}")
+            print(f"sweep B={B} fp32 r={T}: " + "  ".join(res), flush=True)
+    vllm_fn, fla_fn = load_vllm(args.vllm_ref), load_fla()
+    if vllm_fn is None:
+        print("vLLM kernel copy not found: vllm column skipped")
+    if fla_fn is None:
+        print("fla-core not importable: fla columns skipped")
+    if vllm_fn is not None:
+        for name, sd in DTYPES.items():
+            print(f"ours eager vs vLLM eager, B=3 {name} state: {compare_vllm(vllm_fn, 3, T, sd)}")
+    cols = ["ours r=T", "ours r=3", "vllm eager", "fla 1 call", f"fla {T}x1"]
+    print(f"\nGDN verify, T={T}, H={H} HV={HV} K={K} V={V}; µs per layer (median, CUDA graph, cold L2); "
+          f"[GB/s, %copy-bw]")
+    print(f"{'B':>2} {'state':>5} | " + " | ".join(f"{c:>22}" for c in cols) + " | ours vs vllm, vs fla")
+    for B in batches:
+        for name, sd in DTYPES.items():
+            cases = [case_ours(B, T, sd, T), case_ours(B, T, sd, 3)]
+            cases.append(case_vllm(vllm_fn, B, T, sd) if vllm_fn else None)
+            cases.append(case_fla(fla_fn, B, T, sd, 1) if fla_fn else None)
+            cases.append(case_fla(fla_fn, B, T, sd, T) if fla_fn else None)
+            us, cells = [], []
+            for c in cases:
+                if c is None:
+                    us.append(float("nan"))
+                    cells.append(f"{'-':>22}")
+                    continue
+                t = time_graph(c[0])
+                us.append(t)
+                gbs = c[1] / (t * 1e-6) / 1e9
+                cells.append(f"{t:7.1f} [{gbs:6.0f}, {100 * gbs * 1e9 / bw:3.0f}%]")
+            print(f"{B:>2} {name:>5} | " + " | ".join(cells)
+                  + f" | {us[2] / us[0]:.2f}x, {us[3] / us[0]:.2f}x", flush=True)
+    print("\nbytes floor at copy bandwidth (ours, r=T), µs: "
+          + ", ".join(f"B={B} {case_ours(B, T, torch.float32, T)[1] / bw * 1e6:.1f}" for B in batches))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Benchmark: lookup drafting on the GPU (CUDA-graph replay, L2 flushed before each).
+
+    python -m kernels.lookup_scan.bench [--sweep] [--vllm-ref .vllm_ref]
+
+Providers: ours (one launch); vLLM 0.32.0's V2 n-gram speculator kernels (_ngram_scan_kernel +
+_ngram_finalize_kernel, copied into an ignored folder, never committed; max_model_len set to the
+history capacity, its most favourable setting); the serial torch reference on the CPU.
+Histories: "quote" = vocab 150K with copied spans and a suffix quoting an earlier span (agent-like),
+"lowent" = vocab 8 (every block has last-token hits: no early exit).  Proposals of all providers
+are compared; any mismatch is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+
+from kernels.lookup_scan import lookup_scan, naive_lookup_scan
+
+K_DRAFT = 7
+
+
+def time_graph(fn: Callable[[], object], reps: int = 200) -> float:
+    """Median µs of one CUDA-graph replay of fn, with L2 flushed (256 MB memset) before each."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    scrub = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for st, en in ev:
+        scrub.zero_()
+        st.record()
+        g.replay()
+        en.record()
+    torch.cuda.synchronize()
+    return statistics.median(st.elapsed_time(en) * 1e3 for st, en in ev)
+
+
+def load_vllm(ref_dir: Path):
+    path = ref_dir / "ngram_kernels.py"
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("vllm_ngram_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def histories(kind: str, B: int, S: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "lowent":
+        return torch.randint(0, 8, (B, S), generator=g, dtype=torch.int32)
+    tok = torch.randint(0, 150_000, (B, S), generator=g, dtype=torch.int32)
+    for i_b in range(B):  # copied spans every ~100 tokens, and the suffix quotes one
+        n_sp = S // 100
+        src = torch.randint(0, S - 64, (n_sp,), generator=g)
+        dst = torch.randint(64, S - 64, (n_sp,), generator=g)
+        for s_, d_ in zip(src.tolist(), dst.tolist()):
+            if s_ < d_:
+                tok[i_b, d_ : d_ + 32] = tok[i_b, s_ : s_ + 32].clone()
+        q = int(torch.randint(0, S // 2, (1,), generator=g))
+        tok[i_b, S - 20 :] = tok[i_b, q : q + 20].clone()
+    return tok
+
+
+def vllm_runner(mod, tok: torch.Tensor, lens: torch.Tensor, min_n: int, max_n: int):
+    B, S = tok.shape
+    block_l = 256 if S >= 1024 else 128
+    n_blocks = triton.cdiv(S, block_l)
+    idx = torch.arange(B, device="cuda", dtype=torch.int64)
+    num_sampled = torch.ones(B, device="cuda", dtype=torch.int32)
+    last = tok[idx, (lens - 1).long()].to(torch.int64)
+    scratch = torch.zeros(B, n_blocks, device="cuda", dtype=torch.int64)
+    drafts = torch.zeros(B, K_DRAFT, device="cuda", dtype=torch.int64)
+
+    def fn():
+        mod._ngram_scan_kernel[(B, n_blocks)](
+            tok, tok.stride(0), idx, lens, num_sampled, scratch, scratch.stride(0), S,
+            min_n, max_n, max(1, triton.next_power_of_2(max_n)), block_l, num_warps=4, num_stages=2)
+        mod._ngram_finalize_kernel[(B,)](
+            tok, tok.stride(0), idx, lens, num_sampled, last, scratch, scratch.stride(0), drafts, S,
+            n_blocks, K_DRAFT, max(1, triton.next_power_of_2(K_DRAFT)),
+            max(1, triton.next_power_of_2(n_blocks)), num_warps=2, num_stages=1)
+
+    return fn, drafts
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="8192,32768,100000,262144")
+    ap.add_argument("--sweep", action="store_true", help="time (block, programs) settings of ours")
+    ap.add_argument("--vllm-ref", type=Path, default=Path(".vllm_ref"))
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    mod = load_vllm(args.vllm_ref)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    if mod is None:
+        print("vLLM kernel copy not found: vllm column skipped")
+    if args.sweep:
+        from kernels.lookup_scan.triton import lookup_scan_fwd
+        for S, B in [(100_000, 1), (262_144, 1), (262_144, 8)]:
+            tok = histories("quote", B, S, 0).cuda()
+            lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+            ws = torch.zeros(2 * B, dtype=torch.int64, device="cuda")
+            res = []
+            for blk in (512, 1024, 2048):
+                for P in (32, 64, 128, 264):
+                    t = time_graph(lambda: lookup_scan_fwd(tok, lens, 6, 12, K_DRAFT, None, ws, None, P, blk), 100)
+                    res.append(f"{blk}/{P} {t:.1f}")
+            print(f"sweep S={S} B={B} n6-12 block/programs: " + "  ".join(res), flush=True)
+    print(f"\nlookup scan, k={K_DRAFT}; µs per call (median, CUDA graph, cold L2); ref = serial torch on CPU, ms")
+    print(f"{'hist':>7} {'B':>2} {'n':>5} {'data':>6} | {'ours':>7} | {'vllm':>7} | {'ref ms':>8} | vllm/ours | same")
+    for S in sizes:
+        for B in (1, 8):
+            for min_n, max_n in ((5, 5), (6, 12)):
+                for kind in ("quote", "lowent"):
+                    tok_c = histories(kind, B, S, S + B)
+                    lens_c = torch.full((B,), S, dtype=torch.int32)
+                    tok, lens = tok_c.cuda(), lens_c.cuda()
+                    ws = torch.zeros(2 * B, dtype=torch.int64, device="cuda")
+                    out = (torch.empty(B, K_DRAFT, dtype=torch.int64, device="cuda"),
+                           torch.empty(B, dtype=torch.int32, device="cuda"))
+                    ours = lambda: lookup_scan(tok, lens, min_n, max_n, K_DRAFT, workspace=ws, out=out)  # noqa: E731
+                    t_ours = time_graph(ours)
+                    t0 = time.perf_counter()
+                    d_ref, n_ref = naive_lookup_scan(tok_c, lens_c, min_n, max_n, K_DRAFT)
+                    t_ref = (time.perf_counter() - t0) * 1e3
+                    same = torch.equal(out[0].cpu(), d_ref) and torch.equal(out[1].cpu(), n_ref)
+                    t_v = float("nan")
+                    if mod is not None:
+                        fn, d_v = vllm_runner(mod, tok, lens, min_n, max_n)
+                        t_v = time_graph(fn)
+                        same = same and torch.equal(d_v.cpu(), d_ref)
+                    print(f"{S:>7} {B:>2} {min_n:>2}-{max_n:<2} {kind:>6} | {t_ours:7.2f} | {t_v:7.2f} | "
+                          f"{t_ref:8.2f} | {t_v / t_ours:8.2f}x | {same} (matched {int((n_ref > 0).sum())}/{B})",
+                          flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
