@@ -1,0 +1,1 @@
+"""HyperHarness backend: engine install, typed profiles, pool geometry, embedded models, `serve`."""

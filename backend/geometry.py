@@ -1,0 +1,223 @@
+"""Pool geometry: how many bytes each token and each seat costs, and whether the worst case fits.
+
+Pure arithmetic over the model's shapes and the profile, mirroring vLLM 0.32.0's own accounting:
+- attention KV per token and layer: bf16 2·Hkv·D·2; fp8 2·Hkv·D; per-token-head int8/fp8 Hkv·(2D + 8)
+  and int4 Hkv·(D + 8) (each K and V row carries an fp32 scale: TritonAttentionBackend.customize_spec);
+- a GDN layer's state page: conv [(K−1+k), 2·Hk·dk + Hv·dv] in the model dtype + ssm [Hv, dv, dk] in
+  the state dtype (mamba_utils.gated_delta_net_state_shape), k = speculative tokens;
+- hybrid models unify page sizes: the attention block grows to the smallest multiple of the kernel
+  alignment (16) whose page holds a state page, and state pages are padded to it
+  (platforms/interface.py `_align_hybrid_block_size`);
+- a seat holds (2 + k) state pages per GDN layer in align mode, (1 + k) otherwise
+  (MambaSpec.max_memory_usage_bytes).
+The worst case the boot check holds against the pool: every seat resident with its state pages and a
+block of KV, and one of them at max context.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from .profiles import Profile
+
+GiB = 1 << 30
+SHAPES_DIR = Path(__file__).resolve().parent.parent / "configs" / "shapes"
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KERNEL_BLOCK_ALIGNMENT = 16  # TRITON_ATTN / FLASH_ATTN smallest kernel block (MultipleOf(16))
+
+
+class ModelShape(BaseModel):
+    """What the pool arithmetic needs from a model's config."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    attn_layers: int = Field(ge=0)
+    kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    gdn_layers: int = Field(default=0, ge=0)
+    gdn_k_heads: int = 0
+    gdn_v_heads: int = 0
+    gdn_k_dim: int = 0
+    gdn_v_dim: int = 0
+    conv_kernel: int = 0
+    model_dtype: str = "bfloat16"
+    default_state_dtype: str = "float32"  # HF `mamba_ssm_dtype`
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "ModelShape":
+        c = config.get("text_config", config)
+        heads = c["num_attention_heads"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        n = c["num_hidden_layers"]
+        types = c.get("layer_types")
+        if types is None and "full_attention_interval" in c:
+            k = c["full_attention_interval"]
+            types = ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(n)]
+        types = types or ["full_attention"] * n
+        gdn = sum(t == "linear_attention" for t in types)
+        dtype = str(c.get("torch_dtype") or c.get("dtype") or "bfloat16").removeprefix("torch.")
+        return cls(
+            attn_layers=sum(t == "full_attention" for t in types),
+            kv_heads=c.get("num_key_value_heads", heads),
+            head_dim=head_dim,
+            gdn_layers=gdn,
+            gdn_k_heads=c.get("linear_num_key_heads", 0) if gdn else 0,
+            gdn_v_heads=c.get("linear_num_value_heads", 0) if gdn else 0,
+            gdn_k_dim=c.get("linear_key_head_dim", 0) if gdn else 0,
+            gdn_v_dim=c.get("linear_value_head_dim", 0) if gdn else 0,
+            conv_kernel=c.get("linear_conv_kernel_dim", 0) if gdn else 0,
+            model_dtype=dtype if dtype in _DTYPE_BYTES else "bfloat16",
+            default_state_dtype=str(c.get("mamba_ssm_dtype", "float32")),
+        )
+
+    @classmethod
+    def from_model_dir(cls, path: Path) -> "ModelShape":
+        return cls.from_hf_config(json.loads((path / "config.json").read_text()))
+
+    @classmethod
+    def named(cls, name: str) -> "ModelShape":
+        path = SHAPES_DIR / f"{name}.yaml"
+        if not path.is_file():
+            raise FileNotFoundError(f"no model shape {name!r} in {SHAPES_DIR}")
+        return cls.model_validate(yaml.safe_load(path.read_text()))
+
+
+def kv_bytes_per_token_layer(kv_dtype: str, kv_heads: int, head_dim: int, model_dtype: str = "bfloat16") -> int:
+    if kv_dtype == "auto":  # vLLM stores the model dtype
+        return 2 * kv_heads * head_dim * _DTYPE_BYTES.get(model_dtype, 2)
+    if kv_dtype in ("bfloat16", "float16"):
+        return 2 * kv_heads * head_dim * 2
+    if kv_dtype == "fp8":
+        return 2 * kv_heads * head_dim
+    if kv_dtype in ("int8_per_token_head", "fp8_per_token_head"):
+        return kv_heads * (2 * head_dim + 2 * 4)
+    if kv_dtype == "int4_per_token_head":
+        return kv_heads * (head_dim + 2 * 4)
+    raise ValueError(f"no byte model for kv cache dtype {kv_dtype!r}")
+
+
+def gdn_state_page_bytes(shape: ModelShape, state_dtype: str, num_spec: int) -> int:
+    """One GDN layer's state for one slot (conv + recurrent), before padding."""
+    if shape.gdn_layers == 0:
+        return 0
+    sdt = shape.default_state_dtype if state_dtype == "auto" else state_dtype
+    conv_dim = 2 * shape.gdn_k_heads * shape.gdn_k_dim + shape.gdn_v_heads * shape.gdn_v_dim
+    conv = (shape.conv_kernel - 1 + num_spec) * conv_dim * _DTYPE_BYTES[shape.model_dtype]
+    ssm = shape.gdn_v_heads * shape.gdn_v_dim * shape.gdn_k_dim * _DTYPE_BYTES[sdt]
+    return conv + ssm
+
+
+@dataclass(frozen=True)
+class Geometry:
+    kv_dtype: str
+    kv_bytes_per_token: int  # all attention layers
+    block_size: int  # attention (scheduler) block after hybrid unification
+    state_page_bytes: int  # one GDN layer, one slot, padded to the attention page
+    state_slots_per_seat: int  # 2+k (align) or 1+k
+    state_bytes_per_seat: int  # all GDN layers
+    drafter_kv_bytes_per_seat: int
+    seats: int
+    max_model_len: int
+    budget_bytes: int
+    budget_source: str
+
+    @property
+    def worst_case_bytes(self) -> int:
+        long_blocks = math.ceil(self.max_model_len / self.block_size)
+        kv = (long_blocks + (self.seats - 1)) * self.block_size * self.kv_bytes_per_token
+        return kv + self.seats * (self.state_bytes_per_seat + self.drafter_kv_bytes_per_seat)
+
+    @property
+    def fits(self) -> bool:
+        return self.worst_case_bytes <= self.budget_bytes
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens of KV the pool holds once every seat's state is resident."""
+        free = self.budget_bytes - self.seats * (self.state_bytes_per_seat + self.drafter_kv_bytes_per_seat)
+        return max(0, free // (self.block_size * self.kv_bytes_per_token)) * self.block_size
+
+    def describe(self) -> list[tuple[str, str]]:
+        mib = lambda b: f"{b / (1 << 20):,.1f} MiB"  # noqa: E731
+        return [
+            ("kv cache dtype", self.kv_dtype),
+            ("KV bytes per token (all attention layers)", f"{self.kv_bytes_per_token:,} B"),
+            ("attention block (tokens)", f"{self.block_size:,}"),
+            ("state page per GDN layer", f"{self.state_page_bytes:,} B"),
+            ("state slots per seat", str(self.state_slots_per_seat)),
+            ("state per seat (all GDN layers)", mib(self.state_bytes_per_seat)),
+            ("drafter KV per seat", mib(self.drafter_kv_bytes_per_seat)),
+            ("seats (max_num_seqs)", str(self.seats)),
+            ("max context", f"{self.max_model_len:,} tokens"),
+            ("worst case (all seats resident, one at max context)", mib(self.worst_case_bytes)),
+            (f"pool budget ({self.budget_source})", mib(self.budget_bytes)),
+            ("KV tokens left with every seat resident", f"{self.pool_tokens:,}"),
+            ("verdict", "fits" if self.fits else "DOES NOT FIT"),
+        ]
+
+
+def compute(profile: Profile, shape: ModelShape, device_memory_bytes: int | None = None) -> Geometry:
+    eng = profile.engine
+    per_layer = kv_bytes_per_token_layer(eng.kv_cache_dtype, shape.kv_heads, shape.head_dim, shape.model_dtype)
+    k = eng.speculative.num_speculative_tokens if eng.speculative else 0
+    raw_page = gdn_state_page_bytes(shape, eng.mamba_ssm_cache_dtype, k)
+    block = eng.block_size or KERNEL_BLOCK_ALIGNMENT
+    if raw_page:
+        align = max(KERNEL_BLOCK_ALIGNMENT, eng.block_size or 0)
+        block = max(block, align * math.ceil(raw_page / (align * per_layer)))
+    page = block * per_layer if raw_page else 0
+    align_mode = eng.mamba_cache_mode == "align" or (eng.enable_prefix_caching and shape.gdn_layers > 0)
+    slots = (2 + k if align_mode else 1 + k) if shape.gdn_layers else 0
+    drafter = 0
+    if eng.drafter is not None:
+        d = eng.drafter
+        tokens = min(eng.max_model_len, (d.sliding_window or eng.max_model_len) + block)
+        drafter = d.layers * kv_bytes_per_token_layer("bfloat16", d.kv_heads, d.head_dim) * tokens
+    budget, source = _budget(profile, device_memory_bytes)
+    return Geometry(
+        kv_dtype=eng.kv_cache_dtype,
+        kv_bytes_per_token=per_layer * shape.attn_layers,
+        block_size=block,
+        state_page_bytes=page,
+        state_slots_per_seat=slots,
+        state_bytes_per_seat=page * slots * shape.gdn_layers,
+        drafter_kv_bytes_per_seat=drafter,
+        seats=eng.max_num_seqs,
+        max_model_len=eng.max_model_len,
+        budget_bytes=budget,
+        budget_source=source,
+    )
+
+
+def _budget(profile: Profile, device_memory_bytes: int | None) -> tuple[int, str]:
+    eng = profile.engine
+    if eng.kv_cache_memory_bytes is not None:
+        return eng.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    if eng.device == "cpu":
+        return (eng.cpu_kvcache_space_gib or 4) * GiB, "VLLM_CPU_KVCACHE_SPACE"
+    mem = device_memory_bytes or (
+        int(profile.memory.device_memory_gib * GiB) if profile.memory.device_memory_gib else None
+    )
+    if mem is None:
+        raise ValueError("no pool budget: set kv_cache_memory_bytes or memory.device_memory_gib")
+    util = eng.gpu_memory_utilization or 0.9
+    return int(mem * util - profile.memory.reserve_gib * GiB), "device memory × utilization − reserve"
+
+
+class PoolDoesNotFit(RuntimeError):
+    pass
+
+
+def check(geom: Geometry) -> None:
+    if not geom.fits:
+        raise PoolDoesNotFit(
+            f"the KV pool cannot hold the worst case: {geom.seats} seats × "
+            f"{geom.state_bytes_per_seat + geom.drafter_kv_bytes_per_seat:,} B of state + "
+            f"{geom.max_model_len:,} tokens × {geom.kv_bytes_per_token:,} B/token = "
+            f"{geom.worst_case_bytes:,} B > budget {geom.budget_bytes:,} B ({geom.budget_source}); "
+            f"lower max_model_len or max_num_seqs, or raise the budget"
+        )

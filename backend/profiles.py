@@ -1,0 +1,160 @@
+"""Typed launch profiles (configs/<name>.yaml).
+
+A profile names every engine flag explicitly: what runs is what the file says, so `--dry-run` output,
+the boot-time pool check and the real process all derive from one validated object. Unknown keys are
+errors, because a misspelt flag silently falling back to vLLM's default is the failure mode we most
+want to rule out.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+KVCacheDtype = Literal["auto", "bfloat16", "fp8", "int8_per_token_head", "int4_per_token_head", "fp8_per_token_head"]
+StateDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSource(_Strict):
+    """Where the weights come from: an embedded (generated-on-first-use) model or a Hugging Face repo."""
+
+    embedded: str | None = None  # name in backend.models.REGISTRY
+    hf_repo: str | None = None  # downloaded with huggingface_hub into the cache
+    hf_revision: str | None = None
+    path: Path | None = None  # an explicit local directory wins over both
+    served_name: str
+    shape: str | None = None  # configs/shapes/<shape>.yaml: the geometry before the weights are local
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSource":
+        if sum(x is not None for x in (self.embedded, self.hf_repo, self.path)) != 1:
+            raise ValueError("model: give exactly one of embedded, hf_repo, path")
+        return self
+
+
+class Speculative(_Strict):
+    method: Literal["dflash", "mtp", "ngram"]
+    model: str | None = None  # drafter repo / path (dflash)
+    num_speculative_tokens: int = Field(ge=1, le=32)
+    draft_sample_method: Literal["greedy", "probabilistic"] | None = None
+    disable_eagle_block_drop: bool | None = None
+
+    def to_json(self) -> dict:
+        return self.model_dump(exclude_none=True)
+
+
+class Drafter(_Strict):
+    """Shapes of the drafter's own attention cache (for the pool geometry)."""
+
+    layers: int = Field(ge=1)
+    kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    sliding_window: int | None = Field(default=None, ge=1)
+
+
+class Engine(_Strict):
+    device: Literal["cpu", "cuda"]
+    max_model_len: int = Field(ge=256)
+    max_num_seqs: int = Field(ge=1, le=1024)
+    max_num_batched_tokens: int = Field(ge=16)
+    kv_cache_dtype: KVCacheDtype
+    mamba_ssm_cache_dtype: StateDtype = "auto"
+    attention_backend: str | None = None
+    block_size: int | None = Field(default=None, ge=1)
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    kv_cache_memory_bytes: int | None = Field(default=None, ge=1)
+    cpu_kvcache_space_gib: int | None = Field(default=None, ge=1)
+    enable_prefix_caching: bool
+    mamba_cache_mode: Literal["align", "none"] | None = None
+    prefix_match_unit: int | None = Field(default=None, ge=1)
+    prefix_cache_retention_interval: int | None = Field(default=None, ge=0)
+    enforce_eager: bool
+    language_model_only: bool = False
+    async_scheduling: bool | None = None
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    sse_keep_alive_interval: int | None = Field(default=None, ge=0)
+    compilation_config: dict | None = None
+    speculative: Speculative | None = None
+    drafter: Drafter | None = None
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _coherent(self) -> "Engine":
+        if self.kv_cache_dtype.endswith("_per_token_head") and self.attention_backend != "TRITON_ATTN":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} is read only by attention_backend TRITON_ATTN")
+        if self.device == "cpu" and self.speculative is not None:
+            raise ValueError("speculative decoding profiles are GPU-only")
+        if self.mamba_ssm_cache_dtype == "float16" and self.speculative is not None:
+            # vLLM 0.32's fused GDN spec kernel takes fp32/bf16 only; fp16 silently falls back to Triton.
+            raise ValueError("mamba_ssm_cache_dtype float16 with a speculator falls off the fused GDN path")
+        if self.speculative and self.speculative.method == "dflash" and self.drafter is None:
+            raise ValueError("a dflash speculator needs `drafter:` shapes for the pool geometry")
+        if self.device == "cuda" and self.kv_cache_memory_bytes is None and self.gpu_memory_utilization is None:
+            raise ValueError("a cuda profile sets kv_cache_memory_bytes or gpu_memory_utilization")
+        return self
+
+
+class Memory(_Strict):
+    """The budget the boot check holds the worst case against."""
+
+    device_memory_gib: float | None = Field(default=None, gt=0)  # None: read from the device at boot
+    reserve_gib: float = Field(default=0.0, ge=0)  # graphs, activations, allocator slack
+
+
+class ProxyConf(_Strict):
+    host: str | None = None  # None: 0.0.0.0 with a key, 127.0.0.1 without
+    port: int = Field(default=8000, ge=1, le=65535)
+    engine_port: int = Field(default=8100, ge=1, le=65535)
+
+
+class Profile(_Strict):
+    name: str
+    description: str
+    model: ModelSource
+    engine: Engine
+    memory: Memory = Memory()
+    proxy: ProxyConf = ProxyConf()
+
+
+class ProfileError(ValueError):
+    pass
+
+
+def profile_path(name: str, config_dir: Path = CONFIG_DIR) -> Path:
+    return config_dir / f"{name}.yaml"
+
+
+def available_profiles(config_dir: Path = CONFIG_DIR) -> list[str]:
+    return sorted(p.stem for p in config_dir.glob("*.yaml"))
+
+
+def load_profile(name_or_path: str | Path, config_dir: Path = CONFIG_DIR) -> Profile:
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = profile_path(str(name_or_path), config_dir)
+    if not path.is_file():
+        raise ProfileError(
+            f"no profile {str(name_or_path)!r}; available: {', '.join(available_profiles(config_dir))}"
+        )
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{path}: a profile is a mapping")
+    raw.setdefault("name", path.stem)
+    try:
+        return Profile.model_validate(raw)
+    except ValidationError as exc:
+        raise ProfileError(f"{path}: {exc}") from exc
