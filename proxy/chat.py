@@ -36,6 +36,9 @@ from proxy.upstream import EventStream, Upstream
 
 log = logging.getLogger("proxy.chat")
 
+# Per-request override of --warmup (the replay benchmark measures both in one run).
+WARMUP_HEADER = "x-hyperharness-warmup"
+
 
 @dataclass(slots=True)
 class Plan:
@@ -51,6 +54,7 @@ class Plan:
     context: str
     enable_thinking: bool
     max_tokens: int
+    warmup: bool
 
 
 class ChatService:
@@ -109,8 +113,11 @@ class ChatService:
         max_tokens = cap_max_tokens(norm.max_tokens, len(prompt), info.max_model_len)
         if not text:
             text = self.ids_text.encode(prompt)
+        flag = headers.get(WARMUP_HEADER)
+        warmup = self.warmup if flag is None else flag.strip() in ("1", "true", "yes")
         return Plan(session=session, norm=norm, prompt=prompt, prompt_text=text, parent=parent, msg_keys=keys,
-                    msg_ends=ends, context=ctx, enable_thinking=enable_thinking, max_tokens=max_tokens)
+                    msg_ends=ends, context=ctx, enable_thinking=enable_thinking, max_tokens=max_tokens,
+                    warmup=warmup)
 
     def _splice(self, found: Match, norm: NormalizedChat, enable_thinking: bool) -> tuple[array, str, list[int]]:
         snap = found.snapshot
@@ -165,7 +172,7 @@ class ChatService:
                         parent_id=plan.parent.snapshot_id if plan.parent else None)
         self.ids_text.put(snap.snapshot_id, plan.prompt_text, generated, snap.parent_id)
         await self.store.save(plan.session.key, snap)
-        if self.warmup:
+        if plan.warmup:
             self._spawn(self._warm(snap))
 
     def _spawn(self, coro: Any) -> None:
