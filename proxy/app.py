@@ -87,7 +87,8 @@ def create_app(settings: Settings, *, upstream: Upstream | None = None, store: S
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if owns_upstream:
-            services.upstream = Upstream.open(settings.upstream, timeout_s=settings.upstream_timeout_s)
+            services.upstream = Upstream.open(settings.upstream, timeout_s=settings.upstream_timeout_s,
+                                              api_key=settings.upstream_api_key)
         if owns_store:
             services.store = make_store(
                 settings.redis_url, max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,

@@ -15,6 +15,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 API_KEY_ENV = "HYPERHARNESS_API_KEY"
+# The engine's own key, when it has one (vLLM's --api-key / VLLM_API_KEY); sent upstream, never to clients.
+ENGINE_KEY_ENV = "HYPERHARNESS_ENGINE_API_KEY"
 
 
 class Settings(BaseModel):
@@ -26,6 +28,7 @@ class Settings(BaseModel):
     model_dir: Path | None = None
     model_name: str = "default"
     api_key: str | None = None
+    upstream_api_key: str | None = None
     redis_url: str | None = None
     # Embedded store bounds: a transcript of a 100K-token session is ~400 KB packed, so 256 sessions
     # stay well under 128 MB even in the worst case.
@@ -61,6 +64,9 @@ class Settings(BaseModel):
         api_key = env.get(API_KEY_ENV) or None
         if args.api_key_file is not None:
             api_key = _read_key(Path(args.api_key_file))
+        engine_key = env.get(ENGINE_KEY_ENV) or env.get("VLLM_API_KEY") or None
+        if args.upstream_api_key_file is not None:
+            engine_key = _read_key(Path(args.upstream_api_key_file))
         return cls(
             host=args.host,
             port=args.port,
@@ -68,6 +74,7 @@ class Settings(BaseModel):
             model_dir=Path(args.model_dir) if args.model_dir else None,
             model_name=args.model_name,
             api_key=api_key,
+            upstream_api_key=engine_key,
             redis_url=args.redis_url or env.get("HYPERHARNESS_REDIS_URL") or None,
             max_sessions=args.max_sessions,
             session_ttl_s=args.session_ttl,
@@ -104,6 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", default=None, help="model directory (tokenizer, chat format)")
     p.add_argument("--model-name", default="default", help="model id served to clients")
     p.add_argument("--api-key-file", default=None, help=f"file holding the bearer key (else ${API_KEY_ENV})")
+    p.add_argument("--upstream-api-key-file", default=None,
+                   help=f"file holding the engine's key (else ${ENGINE_KEY_ENV} or $VLLM_API_KEY)")
     p.add_argument("--redis-url", default=None, help="transcript store in Redis (default: in-process)")
     p.add_argument("--max-sessions", type=int, default=256)
     p.add_argument("--session-ttl", type=float, default=6 * 3600, help="seconds")

@@ -125,11 +125,13 @@ class Upstream:
         self._model: ModelInfo | None = None
 
     @classmethod
-    def open(cls, base_url: str, *, timeout_s: float = 3600) -> Upstream:
+    def open(cls, base_url: str, *, timeout_s: float = 3600, api_key: str | None = None) -> Upstream:
         # limit=0: no connection cap here; admission (proxy/admission.py) decides concurrency.
         connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout_s)
-        return cls(base_url, aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False))
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+        session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False, headers=headers)
+        return cls(base_url, session)
 
     async def close(self) -> None:
         await self.session.close()

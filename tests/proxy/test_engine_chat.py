@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +29,6 @@ from proxy.store import SessionStore
 from proxy.store.memory import MemoryStore
 from proxy.store.redis import RedisStore
 from tests.proxy.fake_vllm import serve_app
-from tests.proxy.redis_server import shared_redis_url
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
@@ -64,11 +63,6 @@ async def rig(engine: Any, store: SessionStore) -> AsyncIterator[Rig]:
         finally:
             await client.close()
             await direct.close()
-
-
-@pytest.fixture(scope="module")
-def redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
-    yield from shared_redis_url(request)
 
 
 @pytest_asyncio.fixture(loop_scope="session", scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from array import array
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
@@ -15,7 +15,6 @@ from proxy.store import SessionStore
 from proxy.store.memory import MemoryStore
 from proxy.store.redis import RedisStore
 from proxy.transcripts import Snapshot
-from tests.proxy.redis_server import shared_redis_url
 
 pytestmark = [pytest.mark.unit, pytest.mark.asyncio(loop_scope="session")]
 
@@ -23,11 +22,6 @@ pytestmark = [pytest.mark.unit, pytest.mark.asyncio(loop_scope="session")]
 def snap(ids: list[int], parent: str | None = None) -> Snapshot:
     return Snapshot(ids=array("I", ids), prompt_len=max(len(ids) - 1, 0), msg_keys=["a", "b"], msg_ends=[1, 2],
                     reply_key="r", context="c", finish_reason="stop", parent_id=parent)
-
-
-@pytest.fixture(scope="module")
-def redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
-    yield from shared_redis_url(request)
 
 
 @pytest_asyncio.fixture(params=["memory", "redis"], loop_scope="session")
