@@ -1,0 +1,116 @@
+"""`hyperharness patches apply|check|revert` on a scratch copy of the installed vLLM files."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from backend import patchtool
+from backend.patchtool import PatchState, Series
+
+pytestmark = pytest.mark.unit
+
+runner = CliRunner()
+
+
+def _invoke(*args: str) -> tuple[int, str]:
+    result = runner.invoke(patchtool.app, list(args))
+    return result.exit_code, result.output
+
+
+@pytest.fixture(scope="module")
+def series() -> Series:
+    return Series.load()
+
+
+@pytest.fixture
+def pristine(tmp_path: Path, series: Series) -> Path:
+    """The files the series touches, copied from the installed package and reverted to 0.32.0."""
+    installed = patchtool.vllm_root()
+    names = set().union(*(patchtool.touched_files(p) for p in series.patches)) | {"vllm/_version.py"}
+    for name in names:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(installed / name, tmp_path / name)
+    code, out = _invoke("revert", "--target", str(tmp_path))
+    assert code == 0, out
+    return tmp_path
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*.py")}
+
+
+def test_series_is_pinned_and_named(series: Series) -> None:
+    assert series.pin == "0.32.0"
+    assert [p.name[:4] for p in series.patches] == sorted(p.name[:4] for p in series.patches)
+
+
+def test_installed_package_has_the_series_applied(series: Series) -> None:
+    code, out = _invoke("check")
+    assert code == 0, out
+    assert out.count("applied") == len(series.patches)
+
+
+def test_apply_check_twice_revert_round_trip(pristine: Path, series: Series) -> None:
+    before = _snapshot(pristine)
+    assert _invoke("check", "--target", str(pristine))[0] == patchtool.EXIT_NOT_APPLIED
+    code, out = _invoke("apply", "--target", str(pristine))
+    assert code == 0, out
+    assert _invoke("check", "--target", str(pristine))[0] == 0
+    patched = _snapshot(pristine)
+
+    code, out = _invoke("apply", "--target", str(pristine))
+    assert code == patchtool.EXIT_ALREADY and "refusing" in out
+    assert _snapshot(pristine) == patched  # refused cleanly: nothing touched
+    assert _invoke("apply", "--ensure", "--target", str(pristine))[0] == 0
+
+    assert _invoke("revert", "--target", str(pristine))[0] == 0
+    assert _snapshot(pristine) == before
+
+
+def test_partial_state_is_reported_per_patch(pristine: Path, series: Series) -> None:
+    first = series.patches[0]
+    assert patchtool._git_apply(pristine, first).returncode == 0
+    rows = dict(patchtool.states(pristine, series))
+    assert rows[first] is PatchState.APPLIED
+    assert all(rows[p] is PatchState.NOT_APPLIED for p in series.patches[1:])
+    assert _invoke("apply", "--target", str(pristine))[0] == patchtool.EXIT_ALREADY
+    assert _invoke("apply", "--ensure", "--target", str(pristine))[0] == 0
+    assert all(s is PatchState.APPLIED for _, s in patchtool.states(pristine, series))
+
+
+def test_mismatch_refuses_without_touching_files(pristine: Path, series: Series) -> None:
+    target = pristine / "vllm/v1/core/single_type_kv_cache_manager.py"
+    text = target.read_text()
+    # Edit a line inside a hunk's context: neither the pristine nor the patched text fits.
+    edited = text.replace("class SlidingWindowManager(SingleTypeKVCacheManager):", "class SlidingWindowManager(object):")
+    assert edited != text
+    target.write_text(edited)
+    before = _snapshot(pristine)
+    code, out = _invoke("apply", "--target", str(pristine))
+    assert code == patchtool.EXIT_MISMATCH and "mismatch" in out
+    assert _snapshot(pristine) == before
+    assert _invoke("check", "--target", str(pristine))[0] == patchtool.EXIT_MISMATCH
+    assert _invoke("revert", "--target", str(pristine))[0] == patchtool.EXIT_MISMATCH
+
+
+def test_fuzz_is_refused(pristine: Path, series: Series) -> None:
+    # A context line two lines away from a change: GNU patch would apply with fuzz 2; we must not.
+    target = pristine / "vllm/v1/core/single_type_kv_cache_manager.py"
+    text = target.read_text()
+    edited = text.replace(
+        "    def __init__(self, kv_cache_spec: SlidingWindowSpec, **kwargs) -> None:\n",
+        "    def __init__(self, kv_cache_spec: SlidingWindowSpec, **kwargs) -> None:  # edited\n",
+    )
+    assert edited != text
+    target.write_text(edited)
+    assert patchtool.states(pristine, series)[0][1] is PatchState.MISMATCH
+
+
+def test_wrong_version_is_refused(pristine: Path) -> None:
+    version = pristine / "vllm/_version.py"
+    version.write_text(version.read_text().replace("'0.32.0'", "'0.32.1'"))
+    code, out = _invoke("apply", "--target", str(pristine))
+    assert code == patchtool.EXIT_VERSION and "pinned to 0.32.0" in out
