@@ -26,7 +26,7 @@ _AUDIO_PART_TYPES = frozenset({"audio_url", "input_audio", "audio_embeds", "audi
 
 # Claude Code puts a per-request billing line first in its system prompt; vLLM drops it
 # (chat_utils._strip_claude_code_billing_header) because it changes on every request.
-_BILLING_HEADER = "x-anthropic-billing-header"
+BILLING_HEADER = "x-anthropic-billing-header"
 
 
 def content_parts(content: Any) -> list[dict[str, Any]]:
@@ -76,7 +76,7 @@ def strip_billing_header(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for part in parts:
         text = part.get("text") if part.get("type") == "text" else None
-        if not (isinstance(text, str) and text.startswith(_BILLING_HEADER)):
+        if not (isinstance(text, str) and text.startswith(BILLING_HEADER)):
             out.append(part)
             continue
         rest = text.partition("\n")[2]

@@ -9,6 +9,7 @@ message, which the transcripts need.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -72,9 +73,11 @@ class _Vision:
     images: int = 0
     videos: int = 0
 
-    def render(self, parts: Sequence[Mapping[str, Any]], *, count: bool, in_system: bool = False) -> str:
+    def render(self, parts: str | Sequence[Mapping[str, Any]], *, count: bool, in_system: bool = False) -> str:
+        if isinstance(parts, str):
+            return parts  # the common case: plain string content, no copy
         if len(parts) == 1 and parts[0].get("type") == "text":
-            return str(parts[0]["text"])  # the common case, no copy
+            return str(parts[0]["text"])
         out: list[str] = []
         for part in parts:
             kind = part.get("type")
@@ -102,7 +105,8 @@ class _Vision:
 class _Msg:
     index: int
     role: str
-    parts: list[dict[str, Any]]
+    parts: str | list[dict[str, Any]]
+    """Plain string content as is (the hot path), else vLLM's "openai" parts."""
     source: Message
 
 
@@ -112,18 +116,23 @@ def _prepare(messages: Sequence[Message]) -> list[_Msg]:
     if not isinstance(messages, list | tuple):
         raise FormatError("messages must be a list")
     pairs = normalize.developer_to_system(
-        [m if isinstance(m, Mapping) else _not_object(m) for m in messages]
+        [m if isinstance(m, dict) or isinstance(m, Mapping) else _not_object(m) for m in messages]
     )
     prepared: list[_Msg] = []
     for index, m in pairs:
         role = m.get("role")
         if not isinstance(role, str):
             raise FormatError(f"message {index}: role must be a string")
-        parts = normalize.content_parts(m.get("content"))
-        if role == "system":
-            parts = normalize.strip_billing_header(parts)
-        elif role == "tool":
-            parts = normalize.tool_result_parts(parts)
+        content = m.get("content")
+        parts: str | list[dict[str, Any]]
+        if isinstance(content, str) and not (role == "system" and content.startswith(normalize.BILLING_HEADER)):
+            parts = content
+        else:
+            parts = normalize.content_parts(content)
+            if role == "system":
+                parts = normalize.strip_billing_header(parts)
+            elif role == "tool":
+                parts = normalize.tool_result_parts(parts)
         prepared.append(_Msg(index, role, parts, m))
     return prepared
 
@@ -166,6 +175,12 @@ def render_tool_call_xml(name: str, arguments: Mapping[str, Any]) -> str:
 
 def render_tool_call_json(name: str, arguments: Mapping[str, Any]) -> str:
     return "<tool_call>\n" + _dumps({"name": name, "arguments": dict(arguments)}) + "\n</tool_call>"
+
+
+@functools.lru_cache(maxsize=8192)
+def _call_text_cached(style: str, name: str, arguments: str | Mapping[str, Any]) -> str:
+    args = normalize.canonical_arguments(arguments)
+    return render_tool_call_xml(name, args) if style == "xml" else render_tool_call_json(name, args)
 
 
 class Qwen3xFormat(ChatFormat):
@@ -219,19 +234,31 @@ class Qwen3xFormat(ChatFormat):
             head += "<think>\n" + reasoning + "\n</think>\n\n"
         if not close:
             return head + text
-        calls = normalize.canonical_tool_calls(m.source.get("tool_calls"))
+        calls = m.source.get("tool_calls")
         if not calls:
+            if calls is not None and not isinstance(calls, list):
+                normalize.canonical_tool_calls(calls)  # raises the right error
             return head + text + IM_END + "\n"
-        render_call = render_tool_call_xml if self.tool_call_style == "xml" else render_tool_call_json
         out = [head, text]
         for j, call in enumerate(calls):
             if j:
                 out.append("\n")
             elif text.strip():
                 out.append("\n\n")
-            out.append(render_call(call["name"], call["arguments"]))
+            out.append(self._call_text(call))
         out.append(IM_END + "\n")
         return "".join(out)
+
+    def _call_text(self, call: Any) -> str:
+        """One call's text; memoized on the wire form (name, JSON string), so a long history
+        does not re-parse every call's arguments on every request."""
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            name, args = function.get("name"), function.get("arguments")
+            if isinstance(name, str) and isinstance(args, str) and call.get("type", "function") == "function":
+                return _call_text_cached(self.tool_call_style, name, args)
+        (checked,) = normalize.canonical_tool_calls([call])
+        return _call_text_cached.__wrapped__(self.tool_call_style, checked["name"], checked["arguments"])
 
     def _body_chunks(
         self,
