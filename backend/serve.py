@@ -1,0 +1,198 @@
+"""`hyperharness serve`: the engine behind the proxy, started, watched and stopped as one unit.
+
+Order: resolve the model, hold the profile's worst case against the pool (refuse to boot when it does
+not fit), check both ports, start the engine on 127.0.0.1, start the proxy in front of it, wait for
+both to be healthy, print how to call it; then wait. Ctrl-C / SIGTERM, or either child dying, stops
+both (each child runs in its own process group, so nothing is orphaned).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from . import geometry
+from .keys import default_key_file, load_or_create_key
+from .launcher import ManagedProcess, engine_argv, engine_env, port_is_free, wait_healthy
+from .models import model_dir, prepare_model
+from .profiles import Profile
+
+console = Console(stderr=True)
+
+
+class ServeError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    profile: Profile
+    model_path: Path
+    geometry: geometry.Geometry
+    engine_argv: list[str]
+    engine_env_overrides: dict[str, str]
+    proxy_argv: list[str]
+    proxy_host: str
+    proxy_port: int
+    engine_port: int
+    key: str | None
+    key_source: str | None
+
+
+def resolve_model(profile: Profile, *, prepare: bool) -> Path:
+    m = profile.model
+    if m.path is not None:
+        return m.path
+    if m.embedded is not None:
+        return prepare_model(m.embedded) if prepare else model_dir(m.embedded)
+    if not prepare:
+        return Path(m.hf_repo)  # vLLM accepts a repo id; `serve` downloads it first
+    from huggingface_hub import snapshot_download
+
+    console.print(f"downloading {m.hf_repo} with huggingface_hub (resumable)…")
+    return Path(snapshot_download(m.hf_repo, revision=m.hf_revision))
+
+
+def model_shape(profile: Profile, model_path: Path) -> geometry.ModelShape:
+    if (model_path / "config.json").is_file():
+        return geometry.ModelShape.from_model_dir(model_path)
+    if profile.model.shape:
+        return geometry.ModelShape.named(profile.model.shape)
+    raise ServeError(f"{model_path}: no config.json and the profile names no `shape:` for the geometry")
+
+
+def device_memory_bytes(profile: Profile) -> int | None:
+    if profile.engine.device != "cuda":
+        return None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.mem_get_info()[1]
+    except Exception:  # no CUDA torch here (a dry run on a laptop): fall back to the profile's figure
+        pass
+    return None
+
+
+def plan(profile: Profile, *, host: str | None, port: int | None, engine_port: int | None,
+         use_key: bool, key_file: Path | None, prepare: bool, extra_proxy_args: list[str] = ()) -> ServePlan:
+    model_path = resolve_model(profile, prepare=prepare)
+    geom = geometry.compute(profile, model_shape(profile, model_path), device_memory_bytes(profile))
+    key, source = load_or_create_key(key_file or default_key_file(), create=prepare) if use_key else (None, None)
+    proxy_host = host or profile.proxy.host or ("0.0.0.0" if use_key else "127.0.0.1")
+    proxy_port = port or profile.proxy.port
+    eport = engine_port or profile.proxy.engine_port
+    full_env = engine_env(profile, base={})
+    proxy_argv = [
+        sys.executable, "-m", "proxy", "--host", proxy_host, "--port", str(proxy_port),
+        "--upstream", f"http://127.0.0.1:{eport}", "--model-dir", str(model_path),
+        "--model-name", profile.model.served_name, *extra_proxy_args,
+    ]
+    return ServePlan(profile, model_path, geom, engine_argv(profile, model_path, eport), full_env,
+                     proxy_argv, proxy_host, proxy_port, eport, key, source)
+
+
+def print_plan(p: ServePlan) -> None:
+    out = Console()
+    out.print(f"[bold]profile[/] {p.profile.name}: {p.profile.description.strip()}")
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p.engine_env_overrides.items()))
+    out.print("[bold]engine argv[/]")
+    out.print((env + " " if env else "") + shlex.join(p.engine_argv), soft_wrap=True, markup=False)
+    out.print("[bold]proxy argv[/]")
+    out.print(shlex.join(p.proxy_argv), soft_wrap=True, markup=False)
+    table = Table(title="pool geometry", show_header=False)
+    for k, v in p.geometry.describe():
+        table.add_row(k, v)
+    out.print(table)
+
+
+async def run(p: ServePlan, run_dir: Path, health_timeout: float = 900.0) -> int:
+    geometry.check(p.geometry)
+    for name, port, host in (("proxy", p.proxy_port, p.proxy_host), ("engine", p.engine_port, "127.0.0.1")):
+        if not port_is_free(port, "0.0.0.0" if host == "0.0.0.0" else "127.0.0.1"):
+            raise ServeError(f"port {port} ({name}) is already in use; stop what holds it or pass "
+                             f"--{'port' if name == 'proxy' else 'engine-port'} N")
+    logs = run_dir / "logs"
+    engine = ManagedProcess("engine", p.engine_argv, engine_env(p.profile), logs / "engine.log")
+    proxy_env = dict(os.environ)
+    if p.key:
+        proxy_env["HYPERHARNESS_API_KEY"] = p.key
+    else:
+        proxy_env.pop("HYPERHARNESS_API_KEY", None)
+    proxy = ManagedProcess("proxy", p.proxy_argv, proxy_env, logs / "proxy.log")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    started = time.monotonic()
+    try:
+        engine.start()
+        proxy.start()
+        with console.status("") as status:
+            def tick(label):
+                return lambda s: status.update(f"{label} starting… {s:4.0f}s (logs: {logs})")
+            await _until(stop, wait_healthy(f"http://127.0.0.1:{p.engine_port}/health", engine, health_timeout,
+                                            tick("engine")))
+            await _until(stop, wait_healthy(f"http://127.0.0.1:{p.proxy_port}/health", proxy, 60, tick("proxy")))
+        _print_ready(p, time.monotonic() - started, logs)
+        while not stop.is_set():
+            for child in (engine, proxy):
+                if not child.alive:
+                    console.print(f"[red]{child.name} exited (code {child.proc.returncode}); stopping[/]\n"
+                                  f"{child.log_tail()}")
+                    return 1
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+        return 0
+    except _Stopped:
+        return 130
+    finally:
+        console.print("stopping proxy and engine…")
+        proxy.stop()
+        engine.stop()
+
+
+class _Stopped(Exception):
+    pass
+
+
+async def _until(stop: asyncio.Event, coro) -> None:
+    task = asyncio.ensure_future(coro)
+    stopper = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if task not in done:
+        task.cancel()
+        raise _Stopped()
+    stopper.cancel()
+    task.result()
+
+
+def _print_ready(p: ServePlan, seconds: float, logs: Path) -> None:
+    out = Console()
+    shown = "127.0.0.1" if p.proxy_host in ("0.0.0.0", "::") else p.proxy_host
+    base = f"http://{shown}:{p.proxy_port}/v1"
+    out.print(f"[bold green]ready[/] in {seconds:.1f}s — model [bold]{p.profile.model.served_name}[/]")
+    out.print(f"base URL: {base}")
+    if p.key:
+        out.print(f"API key:  {p.key_source}")
+        auth = '-H "Authorization: Bearer $HYPERHARNESS_API_KEY" ' if p.key_source.startswith("$") else \
+            f'-H "Authorization: Bearer $(cat {p.key_source.split(" ")[0]})" '
+    else:
+        out.print("API key:  none (listening on 127.0.0.1 only)")
+        auth = ""
+    body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+            % p.profile.model.served_name)
+    out.print("try:", markup=False)
+    out.print(f"  curl -s {base}/chat/completions {auth}-H 'Content-Type: application/json' -d '{body}'",
+              markup=False, soft_wrap=True)
+    out.print(f"logs: {logs}; Ctrl-C stops both.", markup=False)
