@@ -28,10 +28,10 @@ from proxy.format.template import TemplateError
 from proxy.idstext import IdsText
 from proxy.metrics import Metrics
 from proxy.normalize import NormalizedChat, cap_max_tokens, normalize, tools_key
-from proxy.protocol import parse_chat_request
+from proxy.protocol import parse_chat_request, validate_messages
 from proxy.sessions import SessionIdentity, identify
 from proxy.store import SessionStore
-from proxy.transcripts import Match, Snapshot, common_prefix_len, context_key, match, message_key
+from proxy.transcripts import Match, MessageKeys, Snapshot, common_prefix_len, context_key, match, message_key
 from proxy.upstream import EventStream, Upstream
 
 log = logging.getLogger("proxy.chat")
@@ -70,6 +70,7 @@ class ChatService:
         self.warmup = warmup
         self.default_thinking = default_thinking
         self.ids_text = IdsText()
+        self.message_keys = MessageKeys()
         self._background: set[asyncio.Task[None]] = set()
 
     async def prepare(self, body: dict[str, Any], headers: Mapping[str, str]) -> ChatTurn:
@@ -88,16 +89,22 @@ class ChatService:
 
     async def plan(self, body: dict[str, Any], headers: Mapping[str, str]) -> Plan:
         req = parse_chat_request(body)
-        norm = normalize(req, {"enable_thinking": self.default_thinking})
+        norm = normalize(req, body, {"enable_thinking": self.default_thinking})
         kwargs = dict(norm.template_kwargs)
         enable_thinking = bool(kwargs.pop("enable_thinking", self.default_thinking))
         tkey = tools_key(norm.tools)
         ctx = context_key(tkey, norm.template_kwargs)
         session = identify(headers, body, norm.messages, tkey)
-        keys = [message_key(m) for m in norm.messages]
-        found = match(await self.store.load(session.key), norm.messages, ctx, keys=keys)
         try:
-            if found.snapshot is not None and found.reason is None:
+            keys = self.message_keys.keys(norm.messages)
+        except (AttributeError, TypeError, ValueError):
+            validate_messages(norm.messages)  # raises the proper 400 for what broke the keying
+            raise
+        found = match(await self.store.load(session.key), norm.messages, ctx, keys=keys)
+        spliced = found.snapshot is not None and found.reason is None
+        validate_messages(norm.messages, found.new_from if spliced else 0)
+        try:
+            if spliced:
                 prompt, text, ends = self._splice(found, norm, enable_thinking)
                 parent: Snapshot | None = found.snapshot
                 self.metrics.transcript_lookups.labels("hit").inc()

@@ -109,10 +109,11 @@ def cap_max_tokens(requested: int | None, prompt_tokens: int, max_model_len: int
     return max(requested, 1)
 
 
-def normalize(req: ChatRequest, template_defaults: Mapping[str, Any]) -> NormalizedChat:
-    # As sent (validated): the renderer applies vLLM's message preprocessing itself.
-    messages = [msg.model_dump(exclude_unset=True) for msg in req.messages]
-    tools = stable_tool_definitions([t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None)
+def normalize(req: ChatRequest, body: Mapping[str, Any], template_defaults: Mapping[str, Any]) -> NormalizedChat:
+    """`req` is `body` validated; messages and tools are taken from `body` as sent (no re-dump of a
+    100K-token history), since the renderer applies vLLM's message preprocessing itself."""
+    messages = list(body["messages"])
+    tools = stable_tool_definitions(list(body["tools"]) if req.tools else None)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return NormalizedChat(

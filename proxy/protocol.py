@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from proxy.errors import InvalidRequest
 
@@ -75,7 +75,9 @@ class StreamOptions(_Open):
 
 class ChatRequest(_Open):
     model: str | None = None
-    messages: list[Message] = Field(min_length=1)
+    # Shallow here; `validate_messages` checks the messages a request actually renders (on a splice,
+    # only the new ones: the rest are byte-for-byte what an earlier request sent and had checked).
+    messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[ToolDef] | None = None
     tool_choice: str | dict[str, Any] | None = None
     stream: bool = False
@@ -98,6 +100,22 @@ class ChatRequest(_Open):
     reasoning_effort: str | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
+
+
+_MESSAGES = TypeAdapter(list[Message])
+
+
+def validate_messages(messages: list[dict[str, Any]], start: int = 0) -> None:
+    """Validate `messages[start:]`; a failure is a 400 naming the message index and field."""
+    try:
+        _MESSAGES.validate_python(messages[start:])
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = list(first["loc"])
+        if loc and isinstance(loc[0], int):
+            loc[0] += start
+        where = "messages." + ".".join(str(p) for p in loc)
+        raise InvalidRequest(f"invalid request: {where}: {first['msg']}", param=where) from exc
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:

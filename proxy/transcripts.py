@@ -19,6 +19,7 @@ import json
 import os
 import time
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,27 +53,88 @@ def _args(arguments: Any) -> Any:
     return arguments
 
 
-def tool_calls_key(calls: Sequence[dict[str, Any]] | None) -> list[list[Any]]:
-    out = []
-    for call in calls or ():
-        fn = call.get("function") or {}
-        out.append([fn.get("name"), _args(fn.get("arguments"))])
-    return out
+def _canonical_arguments(arguments: Any) -> str:
+    return _canon(_args(arguments))
 
 
 def message_key(message: dict[str, Any]) -> str:
-    """Identity of a message for matching; see the module docstring for what is tolerated."""
+    """Identity of a message for matching; see the module docstring for what is tolerated.
+
+    Hashes the text directly (no JSON of the whole message): every request keys every message, and
+    a 100K-token history is ~400 KB of text, so this must run at hashing speed."""
     role = message.get("role")
     if role == "developer":
         role = "system"
-    parts: list[Any] = [role, content_text(message.get("content"))]
+    h = hashlib.blake2b(digest_size=12)
+    h.update(str(role).encode())
+    h.update(b"\x00")
+    h.update(content_text(message.get("content")).encode())
     if role == "assistant":
-        parts.append(tool_calls_key(message.get("tool_calls")))
+        for call in message.get("tool_calls") or ():
+            fn = call.get("function") or {}
+            h.update(b"\x01" + str(fn.get("name")).encode() + b"\x00" + _canonical_arguments(fn.get("arguments")).encode())
     elif role == "tool":
-        parts.append(message.get("tool_call_id") or "")
+        h.update(b"\x02" + str(message.get("tool_call_id") or "").encode())
     if message.get("name"):
-        parts.append(message["name"])
-    return hashlib.blake2b(_canon(parts).encode(), digest_size=12).hexdigest()
+        h.update(b"\x03" + str(message["name"]).encode())
+    return h.hexdigest()
+
+
+class MessageKeys:
+    """`message_key` with an LRU in front, keyed by the message's raw fields.
+
+    Every request keys its whole history; with the cache, an unchanged message costs one tuple hash
+    and one equality check of its strings (C speed) instead of UTF-8 encoding, hashing and
+    re-serializing its tool arguments. Only string content and string arguments are cached (what
+    harnesses send); anything else is keyed directly.
+    """
+
+    def __init__(self, max_entries: int = 65536) -> None:
+        self.max_entries = max_entries
+        self._cache: OrderedDict[tuple[Any, ...], str] = OrderedDict()
+
+    def __call__(self, message: dict[str, Any]) -> str:
+        return self.keys((message,))[0]
+
+    def keys(self, messages: Sequence[dict[str, Any]]) -> list[str]:
+        # Hot loop (every message of every request): locals only, no LRU reordering on hits, so the
+        # cache is FIFO-bounded; a re-keyed message costs one `message_key`.
+        cache = self._cache
+        out: list[str] = []
+        for m in messages:
+            content = m.get("content")
+            if (content is None or type(content) is str) and not m.get("tool_calls"):
+                raw: tuple[Any, ...] | None = (m.get("role"), content, m.get("tool_call_id"), m.get("name"))
+            else:
+                raw = _raw_fields(m)
+            if raw is None:
+                out.append(message_key(m))
+                continue
+            key = cache.get(raw)
+            if key is None:
+                key = cache[raw] = message_key(m)
+                if len(cache) > self.max_entries:
+                    cache.popitem(last=False)
+            out.append(key)
+        return out
+
+
+def _raw_fields(message: dict[str, Any]) -> tuple[Any, ...] | None:
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        return None
+    calls: tuple[Any, ...] = ()
+    if message.get("tool_calls"):
+        out = []
+        for call in message["tool_calls"]:
+            fn = call.get("function") or {}
+            args = fn.get("arguments")
+            if args is not None and not isinstance(args, str):
+                return None
+            out.append((fn.get("name"), args))
+        calls = tuple(out)
+    return (message.get("role"), content, message.get("tool_call_id"), message.get("name"), calls)
+
 
 
 def context_key(tools_key: str, template_kwargs: dict[str, Any]) -> str:

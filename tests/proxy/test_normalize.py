@@ -13,14 +13,17 @@ from proxy.normalize import (
     thinking_kwargs,
     tools_key,
 )
-from proxy.protocol import parse_chat_request
+from proxy.protocol import parse_chat_request, validate_messages
 
 pytestmark = pytest.mark.unit
 
 
+def body_of(**kw):  # type: ignore[no-untyped-def]
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
 def req(**kw):  # type: ignore[no-untyped-def]
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
-    return parse_chat_request(body)
+    return parse_chat_request(body_of(**kw))
 
 
 def test_stable_tool_definitions_and_key() -> None:
@@ -59,11 +62,11 @@ def test_cap_max_tokens() -> None:
 
 
 def test_normalize_pipeline() -> None:
-    r = req(messages=[{"role": "developer", "content": "s"}, {"role": "user", "content": "u"},
-                      {"role": "assistant", "content": "", "reasoning": "r",
-                       "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
-            max_completion_tokens=7, stream=True, stream_options={"include_usage": True})
-    n = normalize(r, {"enable_thinking": True})
+    b = body_of(messages=[{"role": "developer", "content": "s"}, {"role": "user", "content": "u"},
+                          {"role": "assistant", "content": "", "reasoning": "r",
+                           "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+                max_completion_tokens=7, stream=True, stream_options={"include_usage": True})
+    n = normalize(parse_chat_request(b), b, {"enable_thinking": True})
     assert [m["role"] for m in n.messages] == ["developer", "user", "assistant"]  # as sent: the renderer maps
     assert n.messages[2]["reasoning"] == "r"
     assert (n.max_tokens, n.stream, n.include_usage) == (7, True, True)
@@ -81,5 +84,11 @@ def test_normalize_pipeline() -> None:
 ])
 def test_bad_requests_are_400(body) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(InvalidRequest) as info:
-        parse_chat_request(body)
+        validate_messages(parse_chat_request(body).messages)
     assert info.value.status == 400
+
+
+def test_validate_messages_from_an_offset() -> None:
+    msgs = [{"role": "wizard"}, {"role": "user", "content": "ok"}, {"role": "user", "content": 5}]
+    with pytest.raises(InvalidRequest, match="messages.2.content"):
+        validate_messages(msgs, 1)

@@ -86,3 +86,13 @@ def test_common_prefix_len() -> None:
     assert common_prefix_len(a, list(range(12345)) + [7]) == 12345
     assert common_prefix_len(a, [1]) == 0
     assert common_prefix_len(a, []) == 0
+
+
+def test_message_keys_cache_agrees() -> None:
+    from proxy.transcripts import MessageKeys
+
+    keys = MessageKeys(max_entries=2)
+    msgs = [SYS, USER, REPLY, TOOL, {"role": "user", "content": [{"type": "text", "text": "fix the bug"}]}]
+    assert keys.keys(msgs) == [message_key(m) for m in msgs]
+    assert keys.keys(msgs) == [message_key(m) for m in msgs]  # again, through the (evicting) cache
+    assert keys(msgs[4]) == keys(USER)  # list content is keyed directly, same identity

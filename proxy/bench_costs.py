@@ -1,0 +1,244 @@
+"""The proxy's own costs, measured side by side (a script, not a timed test):
+
+1. render + tokenize + splice for a 100K-token session with 1K new tokens (`ChatService.plan`, the
+   whole pre-upstream path: validation, identity, store lookup, matching, continuation render,
+   prompt serialization), against a fresh render of the same conversation;
+2. added time to first byte: a fast fake engine (separate process) called directly vs through the
+   proxy (separate process, one uvicorn worker), pass-through and chat, interleaved, p50/p95;
+3. proxy CPU per streamed event (from /proc/PID/stat), pass-through and chat.
+
+    python -m proxy.bench_costs --model-dir ~/.cache/hyperharness/models/tiny-qwen-hybrid-v1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+# -- 1. render cost ------------------------------------------------------------------------------
+
+
+class _StubUpstream:
+    """Just what `ChatService.plan` asks of the engine: the served model and its window."""
+
+    async def model(self, *, refresh: bool = False) -> Any:
+        from proxy.upstream import ModelInfo
+
+        return ModelInfo("stub", 1_000_000)
+
+
+def _session(fmt: Any, target_tokens: int) -> list[dict[str, Any]]:
+    """An agent session of about `target_tokens`: a system prompt, then rounds of tool call + result."""
+    para = " ".join(f"word{i} alpha beta gamma delta." for i in range(60))  # ~400 tokens
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent.\n" + para},
+                                      {"role": "user", "content": "Refactor the project."}]
+    i = 0
+    while len(fmt.render(messages).ids) < target_tokens:
+        for _ in range(8):
+            i += 1
+            messages.append({"role": "assistant", "content": f"Step {i}.", "tool_calls": [
+                {"id": f"call_{i}", "type": "function", "function": {"name": "read", "arguments": json.dumps({"path": f"f{i}.py"})}}]})
+            messages.append({"role": "tool", "tool_call_id": f"call_{i}", "content": f"# file {i}\n" + para * 2})
+    return messages
+
+
+async def render_cost(model_dir: Path, tokens: int, new_tokens: int, reps: int) -> dict[str, float]:
+    from proxy.chat import ChatService
+    from proxy.format import load_format
+    from proxy.metrics import Metrics
+    from proxy.store.memory import MemoryStore
+
+    fmt = load_format(model_dir)
+    store = MemoryStore()
+    svc = ChatService(fmt=fmt, upstream=_StubUpstream(), store=store, metrics=Metrics(), model_name="m")  # type: ignore[arg-type]
+    history = _session(fmt, tokens)
+    headers = {"x-session-id": "bench"}
+    # Turn N: the whole history ends with a user message; it is stored as if the engine answered it.
+    last_call = {"role": "assistant", "content": "Reading.", "tool_calls": [
+        {"id": "call_last", "type": "function", "function": {"name": "read", "arguments": '{"path": "big.py"}'}}]}
+    body_n = {"model": "m", "messages": history + [{"role": "user", "content": "Next file."}]}
+    plan = await svc.plan(body_n, headers)
+    generated = fmt.tokenizer.encode("Reading.\n\n<tool_call>\n<function=read>\n<parameter=path>\nbig.py\n</parameter>\n</function>\n</tool_call>") + sorted(fmt.stop_token_ids)
+    await svc.remember(plan, generated, "tool_calls", last_call)
+    # Turn N+1: the reply echoed plus a ~1K-token tool result.
+    big = " ".join(f"line{i} = compute(value_{i}) + offset" for i in range(int(new_tokens / 9.5)))
+    body = {"model": "m", "messages": body_n["messages"] + [last_call, {"role": "tool", "tool_call_id": "call_last", "content": big}]}
+    splice = await svc.plan(body, headers)
+    if splice.parent is None:
+        raise RuntimeError("benchmark setup error: turn N+1 did not splice")
+    new = len(splice.prompt) - len(splice.parent.ids)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        await svc.plan(body, headers)
+        times.append(time.perf_counter() - t)
+    fresh = []
+    for _ in range(max(3, reps // 10)):
+        t = time.perf_counter()
+        fmt.render(body["messages"])
+        fresh.append(time.perf_counter() - t)
+    return {"session_tokens": len(splice.prompt), "new_tokens": new, "splice_p50_ms": statistics.median(times) * 1e3,
+            "splice_p95_ms": sorted(times)[int(0.95 * len(times)) - 1] * 1e3,
+            "fresh_render_warm_cache_p50_ms": statistics.median(fresh) * 1e3}
+
+
+# -- 2./3. relay costs -----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def fake_engine_main(port: int, events: int, interval_ms: float) -> None:
+    """A fast stand-in for vLLM: /v1/completions streams `events` one-token events (ids 16, 17, ...)."""
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "fake", "max_model_len": 1_000_000}]})
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        n = int(body.get("max_tokens") or events)
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(min(n, events)):
+            fin = "length" if i == min(n, events) - 1 else None
+            ev = {"id": "cmpl", "object": "text_completion", "created": 0, "model": "fake",
+                  "choices": [{"index": 0, "text": "x", "token_ids": [16 + i % 50], "logprobs": None, "finish_reason": fin}]}
+            await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+            if interval_ms:
+                await asyncio.sleep(interval_ms / 1000)
+        await resp.write(b'data: {"id":"cmpl","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1}}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", completions)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _wait(url: str) -> None:
+    async with aiohttp.ClientSession() as s:
+        for _ in range(300):
+            try:
+                async with s.get(url) as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+async def _ttfb(s: aiohttp.ClientSession, url: str, body: dict[str, Any], content: bool) -> tuple[float, int]:
+    """Seconds to the first byte (or first content delta) and the number of SSE events read."""
+    t = time.perf_counter()
+    first = 0.0
+    n = 0
+    async with s.post(url, json=body) as r:
+        async for line in r.content:
+            if not line.startswith(b"data: "):
+                continue
+            n += 1
+            if not first and (not content or b'"content":"x' in line or b'"text":"x' in line):
+                first = time.perf_counter() - t
+    return first, n
+
+
+async def relay_costs(model_dir: Path, reps: int, streams: int, events: int) -> dict[str, float]:
+    up_port, px_port = _free_port(), _free_port()
+    py = sys.executable
+    fake = subprocess.Popen([py, "-c", f"from proxy.bench_costs import fake_engine_main as m; m({up_port}, 1, 0)"])
+    fake_slow = None
+    proxy = subprocess.Popen([py, "-m", "proxy", "--port", str(px_port), "--upstream", f"http://127.0.0.1:{up_port}",
+                              "--model-dir", str(model_dir), "--model-name", "m", "--log-level", "warning"])
+    out: dict[str, float] = {}
+    try:
+        await _wait(f"http://127.0.0.1:{up_port}/health")
+        await _wait(f"http://127.0.0.1:{px_port}/health")
+        direct = f"http://127.0.0.1:{up_port}/v1/completions"
+        passthru = f"http://127.0.0.1:{px_port}/v1/completions"
+        chat = f"http://127.0.0.1:{px_port}/v1/chat/completions"
+        comp = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1, "stream": True}
+        msgs = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stream": True,
+                "chat_template_kwargs": {"enable_thinking": False}}
+        res: dict[str, list[float]] = {"direct": [], "passthrough": [], "chat_first_byte": [], "chat_first_token": []}
+        async with aiohttp.ClientSession() as s:
+            for i in range(reps + 20):  # interleaved; the first 20 warm up
+                d = (await _ttfb(s, direct, comp, False))[0]
+                p = (await _ttfb(s, passthru, comp, False))[0]
+                c = (await _ttfb(s, chat, {**msgs, "user": f"u{i}"}, False))[0]
+                ct = (await _ttfb(s, chat, {**msgs, "user": f"v{i}"}, True))[0]
+                if i >= 20:
+                    for k, v in zip(res, (d, p, c, ct)):
+                        res[k].append(v)
+        base = statistics.median(res["direct"])
+        out["direct_ttfb_p50_ms"] = base * 1e3
+        for k in ("passthrough", "chat_first_byte", "chat_first_token"):
+            out[f"{k}_added_p50_ms"] = (statistics.median(res[k]) - base) * 1e3
+            out[f"{k}_added_p95_ms"] = (sorted(res[k])[int(0.95 * reps) - 1] - sorted(res["direct"])[int(0.95 * reps) - 1]) * 1e3
+        fake.terminate()
+        fake.wait()
+        # CPU per event: a slower engine that streams `events` events per request, `streams` at once.
+        fake_slow = subprocess.Popen([py, "-c", f"from proxy.bench_costs import fake_engine_main as m; m({up_port}, {events}, 5)"])
+        await _wait(f"http://127.0.0.1:{up_port}/health")
+        async with aiohttp.ClientSession() as s:
+            for name, url, body in (("passthrough", passthru, {**comp, "max_tokens": events}),
+                                    ("chat", chat, {**msgs, "max_tokens": events})):
+                cpu0 = _cpu_seconds(proxy.pid)
+                counts = await asyncio.gather(*[_ttfb(s, url, {**body, "user": f"c{j}"}, False) for j in range(streams)])
+                cpu = _cpu_seconds(proxy.pid) - cpu0
+                upstream_events = streams * events
+                out[f"{name}_cpu_us_per_event"] = cpu / upstream_events * 1e6
+                out[f"{name}_events_relayed"] = sum(n for _, n in counts)
+    finally:
+        for p in (fake, fake_slow, proxy):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                p.wait()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m proxy.bench_costs", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", type=Path, required=True)
+    ap.add_argument("--tokens", type=int, default=100_000)
+    ap.add_argument("--new-tokens", type=int, default=1_000)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--events", type=int, default=200)
+    ap.add_argument("--skip-relay", action="store_true")
+    a = ap.parse_args(argv)
+    results = asyncio.run(render_cost(a.model_dir, a.tokens, a.new_tokens, max(a.reps // 4, 20)))
+    if not a.skip_relay:
+        results |= asyncio.run(relay_costs(a.model_dir, a.reps, a.streams, a.events))
+    for k, v in results.items():
+        print(f"{k:<36} {v:12.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
