@@ -70,8 +70,8 @@ def measure(fmt: ChatFormat, history_tokens: int, new_tokens: int, runs: int) ->
     cpu = []
     for i in range(runs):
         # The next agent turn: the assistant's call (generated last time) and its ~1K-token result.
-        call = {"id": f"n{i}", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.py"}'}}
-        new = [
+        call: dict[str, Any] = {"id": f"n{i}", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.py"}'}}
+        new: list[dict[str, Any]] = [
             {"role": "assistant", "reasoning": f"step {i}", "content": "", "tool_calls": [call]},
             {"role": "tool", "tool_call_id": f"n{i}", "content": f"run {i}\n" + _text(rng, int(new_tokens * 0.6))},
         ]

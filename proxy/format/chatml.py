@@ -190,9 +190,7 @@ class ChatMLFormat(ChatFormat):
         after_stop: bool = True,
     ) -> list[int]:
         del tools
-        body = [
-            (i, f"{IM_START}{m.get('role')}\n{string_content(m)}{IM_END}\n") for i, m in enumerate(messages)
-        ]
+        body = [(i, f"{IM_START}{m.get('role')}\n{string_content(m)}{IM_END}\n") for i, m in enumerate(messages)]
         chunks: list[tuple[int | None, str]] = [(None, "\n" if after_stop else IM_END + "\n"), *body]
         return self._assemble(chunks, f"{IM_START}assistant\n" if add_generation_prompt else None).ids
 

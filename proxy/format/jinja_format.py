@@ -119,6 +119,7 @@ class JinjaFormat(ChatFormat):
         ids = self.tokenizer.encode(full)
         offsets = _token_starts(self.tokenizer, ids)
         cuts = [_token_at(offsets, b) for b in bounds] + [_token_at(offsets, len(history))]
+        spans: tuple[Span, ...]
         if len(cuts) != len(msgs):  # no per-message boundaries: one span for everything
             spans = (Span(0, cuts[-1], None),)
         else:

@@ -127,7 +127,10 @@ def named_special_ids(model_dir: Path, tokenizer: Tokenizer) -> frozenset[int]:
     for key in ("additional_special_tokens", "extra_special_tokens"):
         extra = config.get(key)
         if isinstance(extra, list):
-            texts += [t.get("content") if isinstance(t, Mapping) else t for t in extra]
+            for t in extra:
+                text = t.get("content") if isinstance(t, Mapping) else t
+                if isinstance(text, str):
+                    texts.append(text)
     return frozenset(tokenizer.token_id(t) for t in texts if isinstance(t, str) and t in tokenizer.added_tokens)
 
 

@@ -113,7 +113,7 @@ def developer_to_system(messages: Sequence[Message]) -> list[tuple[int, Message]
         content = m.get("content")
         if isinstance(content, list):
             content = "\n".join(
-                p["text"] if isinstance(p, Mapping) and "text" in p else p
+                p if isinstance(p, str) else str(p["text"])
                 for p in content
                 if isinstance(p, str) or (isinstance(p, Mapping) and "text" in p)
             )
@@ -177,9 +177,7 @@ def canonical_tool_calls(tool_calls: Any) -> list[dict[str, Any]]:
         name = function.get("name")
         if not isinstance(name, str):
             raise FormatError("assistant tool call function.name must be a string")
-        calls.append(
-            {"id": item.get("id"), "name": name, "arguments": canonical_arguments(function.get("arguments"))}
-        )
+        calls.append({"id": item.get("id"), "name": name, "arguments": canonical_arguments(function.get("arguments"))})
     return calls
 
 

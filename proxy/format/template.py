@@ -36,9 +36,7 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     # transformers' override: key order as received, non-ASCII kept, no HTML escaping.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -48,9 +46,7 @@ def _strftime_now(fmt: str) -> str:
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
     """Compile once per template text; compiled templates are immutable and thread-safe."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

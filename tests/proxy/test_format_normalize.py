@@ -163,7 +163,10 @@ def test_tool_result_parts_joins_text_with_newline() -> None:
 
 
 def test_strip_billing_header() -> None:
-    parts = [{"type": "text", "text": "x-anthropic-billing-header: cc=1\nYou are Claude."}, {"type": "text", "text": "y"}]
+    parts = [
+        {"type": "text", "text": "x-anthropic-billing-header: cc=1\nYou are Claude."},
+        {"type": "text", "text": "y"},
+    ]
     assert strip_billing_header(parts) == [{"type": "text", "text": "You are Claude."}, {"type": "text", "text": "y"}]
     assert strip_billing_header([{"type": "text", "text": "x-anthropic-billing-header: 1"}]) == []
 

@@ -232,7 +232,11 @@ def test_coerce_text(value: str, types: list[str], expected: Any) -> None:
 
 
 def test_schema_types() -> None:
-    assert sorted(schema_types({"anyOf": [{"type": "integer"}, {"enum": ["a", None]}]})) == ["integer", "null", "string"]
+    assert sorted(schema_types({"anyOf": [{"type": "integer"}, {"enum": ["a", None]}]})) == [
+        "integer",
+        "null",
+        "string",
+    ]
     assert schema_types(None) == ["string"]
 
 
@@ -322,7 +326,9 @@ def _vllm_parse(hf_tok: Any, ids: list[int], thinking: bool) -> tuple[Result, Re
                 entry[0] += (tc.function and tc.function.name) or ""
                 entry[1] += (tc.function and tc.function.arguments) or ""
     streamed: Result = (
-        acc["reasoning"] or None, acc["content"] or None, [tuple(v) for _, v in sorted(acc["calls"].items())]
+        acc["reasoning"] or None,
+        acc["content"] or None,
+        [tuple(v) for _, v in sorted(acc["calls"].items())],
     )  # type: ignore[misc]
     return final, streamed
 

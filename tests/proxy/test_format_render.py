@@ -80,9 +80,12 @@ def test_qwen_continuation_after_stop(qwen: Qwen3xFormat) -> None:
 
 def test_qwen_continuation_after_cut_generation(qwen: Qwen3xFormat) -> None:
     cont = qwen.render_continuation([{"role": "user", "content": "go on"}], enable_thinking=False)
-    assert qwen.tokenizer.decode(cont) == (
-        "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    )[len("<|im_end|>") :]
+    assert (
+        qwen.tokenizer.decode(cont)
+        == ("<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")[
+            len("<|im_end|>") :
+        ]
+    )
     cut = qwen.render_continuation([{"role": "user", "content": "go on"}], after_stop=False)
     assert qwen.tokenizer.decode(cut).startswith("<|im_end|>\n<|im_start|>user\n")
 
@@ -103,14 +106,20 @@ def test_span_of_tools_only_system_turn(qwen: Qwen3xFormat) -> None:
 
 
 def test_developer_is_merged_into_system(qwen: Qwen3xFormat) -> None:
-    msgs = [{"role": "developer", "content": "D"}, {"role": "user", "content": "Hi"}, {"role": "system", "content": "S"}]
+    msgs = [
+        {"role": "developer", "content": "D"},
+        {"role": "user", "content": "Hi"},
+        {"role": "system", "content": "S"},
+    ]
     text = qwen.tokenizer.decode(qwen.render(msgs, add_generation_prompt=False).ids)
     assert text == "<|im_start|>system\nD\n\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
 
 
 def test_bad_tool_schema_is_a_format_error(qwen: Qwen3xFormat) -> None:
     with pytest.raises(FormatError, match="parameters must be a JSON Schema object"):
-        qwen.render([{"role": "user", "content": "x"}], [{"type": "function", "function": {"name": "f", "parameters": [1]}}])
+        qwen.render(
+            [{"role": "user", "content": "x"}], [{"type": "function", "function": {"name": "f", "parameters": [1]}}]
+        )
 
 
 # -- ChatML -------------------------------------------------------------------------------

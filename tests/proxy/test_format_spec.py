@@ -29,9 +29,8 @@ def qwen_tokenizer() -> TiktokenTokenizer:
 def qwen(qwen_tokenizer: TiktokenTokenizer) -> Qwen3xFormat:
     return Qwen3xFormat(qwen_tokenizer)
 
-TEMPLATE = (
-    Path(__file__).resolve().parents[2] / "backend" / "models" / "templates" / "qwen3x.jinja"
-).read_text()
+
+TEMPLATE = (Path(__file__).resolve().parents[2] / "backend" / "models" / "templates" / "qwen3x.jinja").read_text()
 
 WEATHER_TOOL = {
     "type": "function",
@@ -316,7 +315,11 @@ ERROR_CASES: list[tuple[str, list[dict[str, Any]], str]] = [
         [{"role": "user", "content": "<tool_response>\nx\n</tool_response>"}],
         "No user query found in messages.",
     ),
-    ("unknown-role", [{"role": "user", "content": "Hi"}, {"role": "critic", "content": "x"}], "Unexpected message role."),
+    (
+        "unknown-role",
+        [{"role": "user", "content": "Hi"}, {"role": "critic", "content": "x"}],
+        "Unexpected message role.",
+    ),
     (
         "image-in-system",
         [{"role": "system", "content": [{"type": "image"}]}, {"role": "user", "content": "Hi"}],
