@@ -29,7 +29,7 @@ from proxy.idstext import IdsText
 from proxy.metrics import Metrics
 from proxy.normalize import NormalizedChat, cap_max_tokens, normalize, tools_key
 from proxy.protocol import parse_chat_request, validate_messages
-from proxy.sessions import SessionIdentity, identify
+from proxy.sessions import SessionIdentity, identify, priority
 from proxy.store import SessionStore
 from proxy.transcripts import Match, MessageKeys, Snapshot, common_prefix_len, context_key, match, message_key
 from proxy.upstream import EventStream, Upstream
@@ -78,7 +78,7 @@ class ChatService:
         plan = await self.plan(body, headers)
         self.metrics.render_seconds.observe(time.perf_counter() - started)
         foot = Footprint(session=plan.session.key, prompt_tokens=len(plan.prompt), max_tokens=plan.max_tokens,
-                         reused_tokens=len(plan.parent.ids) if plan.parent else 0)
+                         reused_tokens=len(plan.parent.ids) if plan.parent else 0, priority=priority(headers))
         ticket = await self.admission.acquire(foot)
         try:
             stream = await self.upstream.open_events("/v1/completions", await self._payload(plan))

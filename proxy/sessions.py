@@ -58,3 +58,22 @@ def fingerprint(messages: list[dict[str, Any]], tools_key: str) -> str:
         if msg.get("role") == "user":
             break
     return h.hexdigest()
+
+
+# Priority hints for admission (issue 4): an explicit header wins; a harness' compaction flag means
+# background work; a parent-session header means a subagent.
+PRIORITY_HEADER = "x-hyperharness-priority"
+PRIORITIES = ("interactive", "subagent", "background")
+BACKGROUND_HEADERS = ("x-deepseek-harness-compact",)
+PARENT_HEADERS = ("x-parent-session-id", "x-dynamo-parent-session-id", "x-claude-code-parent-agent-id")
+
+
+def priority(headers: Mapping[str, str]) -> str:
+    explicit = (headers.get(PRIORITY_HEADER) or "").strip().lower()
+    if explicit in PRIORITIES:
+        return explicit
+    if any((headers.get(h) or "").strip() in ("1", "true") for h in BACKGROUND_HEADERS):
+        return "background"
+    if any(headers.get(h) for h in PARENT_HEADERS):
+        return "subagent"
+    return "interactive"

@@ -29,6 +29,8 @@ class FakeVLLM:
     requests: list[dict[str, Any]] = field(default_factory=list)
     cached_tokens: int = 0
     fail_with: int | None = None
+    delay_s: float = 0.0  # between streamed events
+    aborted: int = 0  # streams the client (the proxy) dropped before the end
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -81,7 +83,13 @@ class FakeVLLM:
             event: dict[str, Any] = {**base, "choices": [choice]}
             if i == 0 and isinstance(prompt, list):
                 event["prompt_token_ids"] = prompt
-            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            try:
+                await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+            except (ConnectionResetError, asyncio.CancelledError):
+                self.aborted += 1
+                raise
         if not ids:
             await resp.write(b"data: " + json.dumps({**base, "choices": [
                 {"index": 0, "text": "", "token_ids": [], "finish_reason": finish}]}).encode() + b"\n\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import openai
@@ -197,3 +198,47 @@ async def test_return_token_ids_both_ways(env: Env) -> None:
     fin = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
     assert (fin.choices[0].model_extra or {})["token_ids"] == enc("ho") + [IM_END]
     assert env.prompt()[: len(extra["prompt_token_ids"]) + 4] == extra["prompt_token_ids"] + enc("hey") + [IM_END]
+
+
+class RecordingAdmission:
+    def __init__(self) -> None:
+        self.footprints: list[Any] = []
+        self.released = 0
+
+    async def acquire(self, footprint: Any) -> Any:
+        self.footprints.append(footprint)
+        outer = self
+
+        class Ticket:
+            def release(self) -> None:
+                outer.released += 1
+
+        return Ticket()
+
+
+async def test_admission_seam_and_client_disconnect() -> None:
+    import asyncio
+
+    fake = FakeVLLM(max_model_len=1000, delay_s=0.05)
+    admission = RecordingAdmission()
+    store = MemoryStore()
+    async with fake_vllm_server(fake) as upstream:
+        app = create_app(Settings(upstream=upstream, model_name="m"), fmt=ToyFormat(), store=store,
+                         admission=admission)
+        async with serve_app(app) as url:
+            ids = enc("x" * 40) + [IM_END]
+            fake.scripts.append((ids, [""] * len(ids), "stop"))
+            async with httpx.AsyncClient() as c:
+                async with c.stream("POST", url + "/v1/chat/completions", headers={"x-session-id": "gone"},
+                                    json={"messages": [USER], "stream": True, "max_tokens": 50}) as r:
+                    async for _ in r.aiter_lines():
+                        break  # the client goes away after the first chunk
+            for _ in range(100):
+                if admission.released and fake.aborted:
+                    break
+                await asyncio.sleep(0.05)
+    (foot,) = admission.footprints
+    assert foot.prompt_tokens == len(fake.requests[-1]["prompt"]) and foot.max_tokens == 50
+    assert admission.released == 1  # the seat is freed
+    assert fake.aborted == 1  # and the engine's stream was dropped (vLLM aborts the request)
+    assert await store.load("h:gone") == []  # an unfinished response writes no transcript

@@ -108,8 +108,10 @@ async def test_unseen_conversation_equals_vllm_tokenize_smol(smol: Rig) -> None:
 
 @pytest.mark.parametrize("thinking", [True, False])
 async def test_unseen_conversation_equals_vllm_tokenize_hybrid(hybrid: Rig, thinking: bool) -> None:
+    # `reasoning`, not `reasoning_content`: vLLM's /tokenize drops the latter (its chat endpoint
+    # renames it; test_reasoning_content_matches_vllm_chat_prompt checks that path).
     messages = [SYSTEM, {"role": "user", "content": "Read a.py"},
-                {"role": "assistant", "content": "", "reasoning_content": "need the file",
+                {"role": "assistant", "content": "", "reasoning": "need the file",
                  "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.py"}'}}]},
                 {"role": "tool", "tool_call_id": "c1", "content": "print('hi')"}]
     kwargs = {"enable_thinking": thinking}
@@ -117,6 +119,19 @@ async def test_unseen_conversation_equals_vllm_tokenize_hybrid(hybrid: Rig, thin
         model="x", messages=messages, tools=TOOLS, max_tokens=1, extra_headers=session(),
         extra_body={"return_token_ids": True, "chat_template_kwargs": kwargs})
     assert ids_of(resp)[0] == await tokenize(hybrid, messages, tools=TOOLS, chat_template_kwargs=kwargs)
+
+
+async def test_reasoning_content_matches_vllm_chat_prompt(hybrid: Rig) -> None:
+    messages = [SYSTEM, {"role": "user", "content": "Read a.py"},
+                {"role": "assistant", "content": "Sure.", "reasoning_content": "need the file",
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.py"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "print('hi')"}]
+    body = {"return_token_ids": True}
+    direct = await hybrid.direct.chat.completions.create(model=hybrid.model, messages=messages, tools=TOOLS,
+                                                         max_tokens=1, extra_body=body)
+    proxied = await hybrid.client.chat.completions.create(model="x", messages=messages, tools=TOOLS, max_tokens=1,
+                                                          extra_headers=session(), extra_body=body)
+    assert ids_of(proxied)[0] == ids_of(direct)[0]
 
 
 async def _same_as_direct(r: Rig, messages: list[dict[str, Any]], **extra: Any) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.sessions import SESSION_HEADERS, identify
+from proxy.sessions import SESSION_HEADERS, identify, priority
 
 pytestmark = pytest.mark.unit
 
@@ -28,3 +28,10 @@ def test_body_fields_then_fingerprint() -> None:
     assert identify({}, {}, MSGS, '[{"t":1}]').key != fp.key  # tools matter
     other = [MSGS[0], {"role": "user", "content": "another task"}]
     assert identify({}, {}, other, "[]").key != fp.key
+
+
+def test_priority_hints() -> None:
+    assert priority({}) == "interactive"
+    assert priority({"x-deepseek-harness-compact": "1"}) == "background"
+    assert priority({"x-parent-session-id": "p"}) == "subagent"
+    assert priority({"x-parent-session-id": "p", "x-hyperharness-priority": "Interactive"}) == "interactive"
