@@ -21,6 +21,7 @@ profiles_app = typer.Typer(help="Launch profiles in configs/.", no_args_is_help=
 app.add_typer(models_app, name="models")
 app.add_typer(profiles_app, name="profiles")
 app.add_typer(patches_app, name="patches")
+app.command("doctor")(__import__("backend.doctor", fromlist=["doctor"]).doctor)
 err = Console(stderr=True)
 
 
