@@ -26,6 +26,7 @@ import math
 import os
 import statistics
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -157,7 +158,7 @@ class Problem:
 
         return run
 
-    def vllm(self, ua: Callable[..., object], kv_quant_mode: object) -> Callable[[], object]:
+    def vllm(self, ua: Callable[..., object], kv_quant_enum: Any) -> Callable[[], object]:
         """As TritonAttentionImpl.forward calls it (metadata as the builder makes it on SM90)."""
         p, hq = self.pool, self.q.shape[1]
         hkv = p.k.shape[2]
@@ -179,7 +180,7 @@ class Problem:
                 softmax_segm_output=segm_out, softmax_segm_max=segm_max,
                 softmax_segm_expsum=segm_sum, sinks=None, output_scale=None,
                 mm_prefix_range=None, rswa_prefix_lens=None, rswa_window=None,
-                kv_quant_mode=kv_quant_mode, k_scale_cache=p.k_scale, v_scale_cache=p.v_scale,
+                kv_quant_mode=kv_quant_enum.INT8_PER_TOKEN_HEAD, k_scale_cache=p.k_scale, v_scale_cache=p.v_scale,
                 chunk_lookback=-1, use_td=False, mm_prefix_clamp_sliding_window=False,
             )  # fmt: skip
 
@@ -242,39 +243,52 @@ HEADER = f"{'case':<40} {'us':>10} {'GB/s':>8} {'%copy':>7} {'vs vllm':>9} err"
 
 
 def sweep(pool: Int8KVCache, flush: torch.Tensor, bw: float, out: list) -> None:
-    """Launch-parameter sweep at 100K (picks the defaults in triton.py)."""
-    for t, grid in (
-        (1, [(bn, w, s) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)]),
-        (8, [(bn, w, s) for bn in (32, 64) for w in (4, 8) for s in (1, 2, 3)]),
-        (16, [(bn, 8, s) for bn in (32, 64) for s in (1, 2)]),
-    ):
+    """Variants at 100K, batch 1: read windows on/off, launch parameters, combine alone."""
+    variants: dict[int, list[dict]] = {
+        1: [{}, {"windowed": False}, {"block_n": 32, "num_stages": 3}],
+        8: [{}, {"windowed": False}, {"block_n": 32, "num_warps": 8, "num_stages": 3},
+            {"block_n": 64, "num_warps": 8, "num_stages": 3}],
+        16: [{}, {"windowed": False}],
+    }  # fmt: skip
+    for t, kws in variants.items():
         prob = Problem(pool, 1, 100_000, t, HQ)
-        best = None
-        for bn, w, s in grid:
+        for kw in kws:
             try:
-                us = time_graph(prob.ours(block_n=bn, num_warps=w, num_stages=s), flush)
+                us = time_graph(prob.ours(**kw), flush)
             except Exception as exc:  # noqa: BLE001 - report and go on (e.g. out of smem)
-                print(f"T={t} bn={bn} w={w} s={s}: {type(exc).__name__}: {str(exc)[:80]}")
+                print(f"T={t} {kw}: {type(exc).__name__}: {str(exc)[:80]}")
                 continue
-            r = row(f"sweep T={t} bn={bn} w={w} st={s}", us, prob.int8_bytes, bw, None, 0.0)
+            r = row(f"variant T={t} {kw}", us, prob.int8_bytes, bw, None, 0.0)
             out.append(r)
             print(fmt(r), flush=True)
-            if best is None or us < best[0]:
-                best = (us, bn, w, s)
-        if best is None:
-            continue
-        _, bn, w, s = best
-        for splits in (8, 16, 33, 66, 132, 264):
-            for asm in (True, False):
-                us = time_graph(
-                    prob.ours(block_n=bn, num_warps=w, num_stages=s, num_splits=splits,
-                              use_asm=asm),
-                    flush,
-                )  # fmt: skip
-                tag = f"sweep T={t} best splits={splits} asm={int(asm)}"
-                r = row(tag, us, prob.int8_bytes, bw, None, 0.0)
-                out.append(r)
-                print(fmt(r), flush=True)
+        splits = va_triton.default_num_splits(1, HKV, 1, 100_000, torch.device("cuda"))
+        n = t
+        acc = torch.randn(n, HQ, splits, D, device="cuda")
+        ml = torch.randn(n, HQ, splits, 2, device="cuda").abs()
+        o = torch.empty(n, HQ, D, device="cuda", dtype=torch.bfloat16)
+
+        def combine() -> None:
+            va_triton.verify_attention_combine_kernel[(n, HQ)](
+                o, acc, ml, splits, o.stride(0), o.stride(1), D=D,
+                BLOCK_S=triton_next_pow2(splits), CHUNK_S=8, num_warps=4,
+            )  # fmt: skip
+
+        r = row(f"combine alone T={t} splits={splits}", time_graph(combine, flush),
+                2 * acc.numel() * 4, bw, None, 0.0)  # fmt: skip
+        out.append(r)
+        print(fmt(r), flush=True)
+
+
+def triton_next_pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
+def profile_one(t: int) -> None:
+    """One launch of ours at 100K, batch 1 (run under ncu)."""
+    pool = make_pool(100_000 + 64, 16, HKV, D)
+    prob = Problem(pool, 1, 100_000, t, HQ)
+    prob.ours()()
+    torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -282,7 +296,11 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="launch-parameter sweep at 100K")
     ap.add_argument("--quick", action="store_true", help="100K only")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile-one", type=int, default=0, help="one launch at 100K, T=this")
     args = ap.parse_args()
+    if args.profile_one:
+        profile_one(args.profile_one)
+        return
     torch.manual_seed(0)
     results: list[dict] = []
     bw = copy_bandwidth()

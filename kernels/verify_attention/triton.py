@@ -105,6 +105,7 @@ def verify_attention_split_kernel(
     K_ALIGN: tl.constexpr,
     V_ALIGN: tl.constexpr,
     USE_ASM: tl.constexpr,
+    WIN: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
     i_s = tl.program_id(0)
@@ -134,25 +135,45 @@ def verify_attention_split_kernel(
     o_hq = i_h * G + o_m % G
     m_row = (o_m < BLOCK_Q * G) & (o_t < q_hi)
     o_d = tl.arange(0, D)
+    o_w = tl.arange(0, 16)
     q_pos = ctx_len + o_t
 
-    p_q = q_ptr + (q_start + o_t).to(tl.int64)[:, None] * stride_q_tok
-    p_q += o_hq[:, None] * stride_q_head + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_row[:, None], other=0.0)
+    # K and V rows are read through 16-byte-aligned windows [rec - shift, rec - shift + D + 16):
+    # K's shift moves Q's columns (once, here), V's shift moves the output columns (epilogue).
+    k_rec = i_h * stride_kv_head
+    v_rec = k_rec + v_off
+    if WIN:
+        k_sh = k_rec % 16
+        v_sh = v_rec % 16
+    else:
+        k_sh = 0
+        v_sh = 0
+    k_win = k_rec - k_sh
+    v_win = v_rec - v_sh
+
+    p_q = q_ptr + (q_start + o_t).to(tl.int64)[:, None] * stride_q_tok + o_hq[:, None] * stride_q_head
+    b_q = tl.load(p_q + (o_d - k_sh)[None, :], mask=m_row[:, None] & (o_d >= k_sh)[None, :], other=0.0)
     b_q = (b_q.to(tl.float32) * qk_scale).to(tl.float16)
+    b_qt = tl.load(p_q + (D + o_w - k_sh)[None, :], mask=m_row[:, None] & (o_w < k_sh)[None, :], other=0.0)
+    b_qt = (b_qt.to(tl.float32) * qk_scale).to(tl.float16)
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    b_acct = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
     p_bt = block_table_ptr + i_b.to(tl.int64) * stride_bt
     for n0 in range(n_start, n_end, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < n_end
         blk = tl.load(p_bt + o_n // PAGE, mask=m_n, other=0).to(tl.int64)
         slot = o_n % PAGE
-        o_k = blk * stride_kv_blk + slot * stride_kv_slot + i_h * stride_kv_head
-        o_v = tl.multiple_of(o_k + v_off, V_ALIGN)
-        o_k = tl.multiple_of(o_k, K_ALIGN)
+        o_row = blk * stride_kv_blk + slot * stride_kv_slot
+        if WIN:
+            o_k = tl.multiple_of(o_row + k_win, 16)
+            o_v = tl.multiple_of(o_row + v_win, 16)
+        else:
+            o_k = tl.multiple_of(o_row + k_win, K_ALIGN)
+            o_v = tl.multiple_of(o_row + v_win, V_ALIGN)
         b_k = tl.load(kv_ptr + o_k[:, None] + o_d[None, :], mask=m_n[:, None], other=0)
         b_v = tl.load(kv_ptr + o_v[:, None] + o_d[None, :], mask=m_n[:, None], other=0)
         b_ks = tl.load(
@@ -166,7 +187,12 @@ def verify_attention_split_kernel(
             other=0.0,
         )
 
-        b_s = tl.dot(b_q, tl.trans(_i8_to_f16(b_k, USE_ASM))) * b_ks[None, :]
+        b_s = tl.dot(b_q, tl.trans(_i8_to_f16(b_k, USE_ASM)))
+        if WIN:
+            m_kt = tl.broadcast_to((m_n & (o_n * 0 + k_sh > 0))[:, None], [BLOCK_N, 16])
+            b_kt = tl.load(kv_ptr + (o_k + D)[:, None] + o_w[None, :], mask=m_kt, other=0)
+            b_s = tl.dot(b_qt, tl.trans(_i8_to_f16(b_kt, USE_ASM)), b_s)
+        b_s = b_s * b_ks[None, :]
         m_vis = m_n[None, :] & (o_n[None, :] <= q_pos[:, None])
         if window > 0:
             m_vis &= (q_pos[:, None] - o_n[None, :]) < window
@@ -179,18 +205,30 @@ def verify_attention_split_kernel(
         b_l = b_l * alpha + tl.sum(b_p, 1)
         b_pv = (b_p * b_vs[None, :]).to(tl.float16)
         b_acc = b_acc * alpha[:, None] + tl.dot(b_pv, _i8_to_f16(b_v, USE_ASM))
+        if WIN:
+            m_vt = tl.broadcast_to((m_n & (o_n * 0 + v_sh > 0))[:, None], [BLOCK_N, 16])
+            b_vt = tl.load(kv_ptr + (o_v + D)[:, None] + o_w[None, :], mask=m_vt, other=0)
+            b_acct = b_acct * alpha[:, None] + tl.dot(b_pv, _i8_to_f16(b_vt, USE_ASM))
         b_m = m_new
 
+    # Accumulator column c holds output column c - v_sh; tail column c' holds D + c' - v_sh.
     o_tok = (q_start + o_t).to(tl.int64)
+    m_main = m_row[:, None] & (o_d >= v_sh)[None, :]
+    m_tail = m_row[:, None] & (o_w < v_sh)[None, :]
     if SPLIT:
-        o_row = (o_tok * tl.num_programs(1) * G + o_hq) * num_splits + i_s
-        tl.store(part_acc_ptr + o_row[:, None] * D + o_d[None, :], b_acc, mask=m_row[:, None])
-        tl.store(part_ml_ptr + o_row * 2, b_m, mask=m_row)
-        tl.store(part_ml_ptr + o_row * 2 + 1, b_l, mask=m_row)
+        o_part = (o_tok * tl.num_programs(1) * G + o_hq) * num_splits + i_s
+        p_part = part_acc_ptr + o_part[:, None] * D
+        tl.store(p_part + (o_d - v_sh)[None, :], b_acc, mask=m_main)
+        tl.store(p_part + (D + o_w - v_sh)[None, :], b_acct, mask=m_tail)
+        tl.store(part_ml_ptr + o_part * 2, b_m, mask=m_row)
+        tl.store(part_ml_ptr + o_part * 2 + 1, b_l, mask=m_row)
     else:
-        b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+        b_inv = 1.0 / tl.where(b_l > 0, b_l, 1.0)
         p_o = out_ptr + o_tok[:, None] * stride_o_tok + o_hq[:, None] * stride_o_head
-        tl.store(p_o + o_d[None, :], b_o.to(out_ptr.dtype.element_ty), mask=m_row[:, None])
+        b_o = (b_acc * b_inv[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(p_o + (o_d - v_sh)[None, :], b_o, mask=m_main)
+        b_ot = (b_acct * b_inv[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(p_o + (D + o_w - v_sh)[None, :], b_ot, mask=m_tail)
 
 
 @triton.jit
@@ -202,23 +240,31 @@ def verify_attention_combine_kernel(
     stride_o_tok,
     stride_o_head,
     D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= num_splits: the (max, sum) pairs are read at once
+    CHUNK_S: tl.constexpr,  # splits per accumulator chunk ([CHUNK_S, D] fp32 stays in registers)
 ):
     i_t = tl.program_id(0).to(tl.int64)
     i_hq = tl.program_id(1)
+    o_base = (i_t * tl.num_programs(1) + i_hq) * num_splits
     o_s = tl.arange(0, BLOCK_S)
     m_s = o_s < num_splits
-    o_row = (i_t * tl.num_programs(1) + i_hq) * num_splits + o_s
-    b_m = tl.load(part_ml_ptr + o_row * 2, mask=m_s, other=float("-inf"))
-    b_l = tl.load(part_ml_ptr + o_row * 2 + 1, mask=m_s, other=0.0)
+    b_m = tl.load(part_ml_ptr + (o_base + o_s) * 2, mask=m_s, other=float("-inf"))
+    b_l = tl.load(part_ml_ptr + (o_base + o_s) * 2 + 1, mask=m_s, other=0.0)
     m_max = tl.max(b_m, 0)
     b_w = tl.where(b_m > float("-inf"), tl.exp2(b_m - m_max), 0.0)
     denom = tl.sum(b_w * b_l, 0)
     o_d = tl.arange(0, D)
-    b_acc = tl.load(part_acc_ptr + o_row[:, None] * D + o_d[None, :], mask=m_s[:, None], other=0.0)
-    b_o = tl.sum(b_acc * b_w[:, None], 0) / denom
+    o_c = tl.arange(0, CHUNK_S)
+    b_o = tl.zeros([D], dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK_S):
+        m_c = (s0 + o_c) < num_splits
+        c_m = tl.load(part_ml_ptr + (o_base + s0 + o_c) * 2, mask=m_c, other=float("-inf"))
+        c_w = tl.where(c_m > float("-inf"), tl.exp2(c_m - m_max), 0.0)
+        p_acc = part_acc_ptr + (o_base + s0 + o_c)[:, None] * D + o_d[None, :]
+        b_acc = tl.load(p_acc, mask=m_c[:, None], other=0.0)
+        b_o += tl.sum(b_acc * c_w[:, None], 0)
     p_o = out_ptr + i_t * stride_o_tok + i_hq * stride_o_head + o_d
-    tl.store(p_o, b_o.to(out_ptr.dtype.element_ty))
+    tl.store(p_o, (b_o / denom).to(out_ptr.dtype.element_ty))
 
 
 def _alignment(*byte_offsets: int) -> int:
@@ -229,13 +275,27 @@ def _alignment(*byte_offsets: int) -> int:
     return 16 if g == 0 else min(16, g & -g)
 
 
+def _windows_fit(k: torch.Tensor, v: torch.Tensor, head_size: int) -> bool:
+    """Whether rows can be read through 16-byte-aligned windows without leaving the cache.
+
+    Needs a 16-byte-aligned base and block/slot strides; the last head's V window (up to 16
+    bytes past its 4-byte-aligned start) must end inside its own row (vLLM: 2080-byte slots).
+    """
+    sb, ss, sh = k.stride()[:3]
+    if k.data_ptr() % 16 or sb % 16 or ss % 16:
+        return False
+    last_v = (k.shape[2] - 1) * sh + v.data_ptr() - k.data_ptr()
+    shift = last_v % 16
+    return shift == 0 or last_v - shift + head_size + 16 <= last_v + v.shape[-1]
+
+
 def _launch_config(block_m: int) -> dict[str, int]:
-    """BLOCK_N / warps / stages per query-tile height (H200 sweep in bench.py)."""
+    """BLOCK_N / warps / stages per query-tile height (H200 sweep at 100K in bench.py)."""
     if block_m <= 16:
-        return {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
-    if block_m <= 64:
         return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+    if block_m <= 64:
+        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
 
 
 def default_num_splits(
@@ -269,6 +329,7 @@ def verify_attention_fwd(
     num_warps: int | None = None,
     num_stages: int | None = None,
     use_asm: bool | None = None,
+    windowed: bool | None = None,
 ) -> torch.Tensor:
     """Launcher; see ``kernels.verify_attention.verify_attention`` for the contract."""
     num_tokens, num_q_heads, head_size = q.shape
@@ -291,6 +352,8 @@ def verify_attention_fwd(
         use_asm = q.is_cuda and not _interpreting()
 
     v_off = v.data_ptr() - k.data_ptr()
+    if windowed is None:
+        windowed = _windows_fit(k, v, head_size)
     split = num_splits > 1
     if split:
         part_acc = torch.empty(
@@ -314,14 +377,14 @@ def verify_attention_fwd(
         G=group, D=head_size, PAGE=page, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         K_ALIGN=_alignment(*k.stride()[:3], k.data_ptr()),
         V_ALIGN=_alignment(*k.stride()[:3], k.data_ptr(), v_off),
-        USE_ASM=use_asm, SPLIT=split,
+        USE_ASM=use_asm, WIN=windowed, SPLIT=split,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
     )  # fmt: skip
     if split:
         verify_attention_combine_kernel[(num_tokens, num_q_heads)](
             out, part_acc, part_ml, num_splits, out.stride(0), out.stride(1),
-            D=head_size, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+            D=head_size, BLOCK_S=triton.next_power_of_2(num_splits), CHUNK_S=8, num_warps=4,
         )  # fmt: skip
     return out
 
