@@ -174,10 +174,15 @@ class TiktokenTokenizer:
         return self._enc.encode(text, allowed_special="all")
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._enc.decode(list(ids), errors="replace")
+        return b"".join(self.token_bytes(i) for i in ids).decode(errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
-        return self._enc.decode_single_token_bytes(token_id)
+        try:
+            return self._enc.decode_single_token_bytes(token_id)
+        except KeyError:
+            # An id past the vocabulary (checkpoints pad their embedding rows; a random-weight
+            # model samples them): HF tokenizers decode it to nothing, and so do we.
+            return b""
 
     def token_id(self, text: str) -> int:
         return _token_id(self._added, text)

@@ -182,3 +182,10 @@ def test_jinja_format_renders_template_with_spans(smol_dir: Path) -> None:
     assert tok.decode(r.ids[: r.spans[0].end]).endswith("<|im_start|>user\na<|im_end|>\n")
     cont = fmt.render_continuation([{"role": "user", "content": "c"}])
     assert tok.decode(cont) == "\n<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_ids_past_the_vocabulary_decode_to_nothing(qwen: Qwen3xFormat) -> None:
+    tok = qwen.tokenizer
+    assert tok.token_bytes(248176) == b"" and tok.decode([12675, 248176]) == "Hi"
+    parser = qwen.parser(enable_thinking=False)
+    assert [d.text for d in parser.feed([12675, 248176, 12675])] == ["HiHi"]
