@@ -13,6 +13,8 @@ Each patch is in exactly one state:
   mismatch     neither: the installed file is neither pristine 0.32.0 nor ours.
 `apply` refuses a second application (exit 3) unless `--ensure`, which applies only the missing
 patches and succeeds when everything ends up applied; any mismatch refuses before anything changes.
+Each applied patch is recorded under `vllm/.hyperharness-patches/`; when the series is edited,
+`apply --ensure` and `revert` first take the recorded (old) versions back out.
 """
 from __future__ import annotations
 
@@ -174,16 +176,48 @@ def _drop_bytecode(root: Path, patch: Path) -> None:
                 pyc.unlink(missing_ok=True)
 
 
+RECORD_DIR = Path("vllm") / ".hyperharness-patches"
+
+
+def _record(root: Path, patch: Path, applied: bool) -> None:
+    """Keep a copy of each applied patch beside the files it changed, so a later edit of the
+    series can still take the old version back out (`_revert_stale`)."""
+    copy = root / RECORD_DIR / patch.name
+    if applied:
+        copy.parent.mkdir(exist_ok=True)
+        shutil.copyfile(patch, copy)
+    else:
+        copy.unlink(missing_ok=True)
+
+
+def _revert_stale(root: Path, series: Series) -> None:
+    """If any recorded patch differs from (or is gone from) the series, revert every recorded
+    patch, newest first, with the recorded copies: the series is then re-applied from pristine."""
+    records = sorted((root / RECORD_DIR).glob("*.patch")) if (root / RECORD_DIR).is_dir() else []
+    current = {p.name: p.read_bytes() for p in series.patches}
+    if all(current.get(r.name) == r.read_bytes() for r in records):
+        return
+    for record in reversed(records):
+        result = _git_apply(root, record, "--reverse")
+        if result.returncode != 0:
+            typer.echo(f"stale {record.name} no longer reverts: {result.stderr.strip()}", err=True)
+            raise typer.Exit(EXIT_MISMATCH)
+        _drop_bytecode(root, record)
+        record.unlink()
+        typer.echo(f"  reverted     {record.name} (recorded version; the series changed)")
+
+
 app = typer.Typer(help="Apply, check or revert our patch series on the installed vLLM.")
 
 _TargetOpt = typer.Option(None, "--target", help="directory holding vllm/ (default: installed)")
+_SeriesOpt = typer.Option(PATCH_DIR, "--series-dir", hidden=True, help="patches/ directory (tests)")
 
 
 @app.command()
-def check(target: Path | None = _TargetOpt) -> None:
+def check(target: Path | None = _TargetOpt, series_dir: Path = _SeriesOpt) -> None:
     """Show each patch's state; exit 0 only if every patch is applied."""
     root = target or vllm_root()
-    series = Series.load()
+    series = Series.load(series_dir)
     _check_pin(root, series)
     rows = states(root, series)
     typer.echo(f"vLLM {series.pin} at {root}")
@@ -199,11 +233,14 @@ def check(target: Path | None = _TargetOpt) -> None:
 def apply(
     target: Path | None = _TargetOpt,
     ensure: bool = typer.Option(False, "--ensure", help="apply only what is missing; ok if all applied"),
+    series_dir: Path = _SeriesOpt,
 ) -> None:
     """Apply the series (all or nothing); a second application is refused."""
     root = target or vllm_root()
-    series = Series.load()
+    series = Series.load(series_dir)
     _check_pin(root, series)
+    if ensure:
+        _revert_stale(root, series)
     rows = states(root, series)
     mismatched = [p.name for p, s in rows if s is PatchState.MISMATCH]
     if mismatched:
@@ -221,16 +258,20 @@ def apply(
             typer.echo(f"{patch.name}: {result.stderr.strip()}", err=True)
             raise typer.Exit(EXIT_MISMATCH)
         _drop_bytecode(root, patch)
+        _record(root, patch, applied=True)
         typer.echo(f"  applied      {patch.name}")
+    for patch in series.patches:  # also those found in place, so a later edit can revert them
+        _record(root, patch, applied=True)
     typer.echo(f"{len(todo)} applied, {len(rows) - len(todo)} already in place ({root})")
 
 
 @app.command()
-def revert(target: Path | None = _TargetOpt) -> None:
+def revert(target: Path | None = _TargetOpt, series_dir: Path = _SeriesOpt) -> None:
     """Revert every applied patch (reverse order), restoring the pristine files."""
     root = target or vllm_root()
-    series = Series.load()
+    series = Series.load(series_dir)
     _check_pin(root, series)
+    _revert_stale(root, series)
     rows = states(root, series)
     if any(s is PatchState.MISMATCH for _, s in rows):
         _print(rows)
@@ -243,6 +284,7 @@ def revert(target: Path | None = _TargetOpt) -> None:
             typer.echo(f"{patch.name}: {result.stderr.strip()}", err=True)
             raise typer.Exit(EXIT_MISMATCH)
         _drop_bytecode(root, patch)
+        _record(root, patch, applied=False)
         typer.echo(f"  reverted     {patch.name}")
     typer.echo(f"{len(done)} reverted ({root})")
 
