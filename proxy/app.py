@@ -76,8 +76,14 @@ def load_chat_format(settings: Settings) -> ChatFormat | None:
     return load_format(settings.model_dir)
 
 
-def create_app(settings: Settings, *, upstream: Upstream | None = None, store: SessionStore | None = None,
-               fmt: ChatFormat | None = None, admission: Admission | None = None) -> FastAPI:
+def create_app(
+    settings: Settings,
+    *,
+    upstream: Upstream | None = None,
+    store: SessionStore | None = None,
+    fmt: ChatFormat | None = None,
+    admission: Admission | None = None,
+) -> FastAPI:
     """Build the app. Injected parts (tests, benchmarks) are used as given and not closed here."""
     metrics = Metrics()
     services = Services(settings=settings, metrics=metrics, upstream=upstream, store=store)
@@ -87,18 +93,26 @@ def create_app(settings: Settings, *, upstream: Upstream | None = None, store: S
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if owns_upstream:
-            services.upstream = Upstream.open(settings.upstream, timeout_s=settings.upstream_timeout_s,
-                                              api_key=settings.upstream_api_key)
+            services.upstream = Upstream.open(
+                settings.upstream, timeout_s=settings.upstream_timeout_s, api_key=settings.upstream_api_key
+            )
         if owns_store:
             services.store = make_store(
-                settings.redis_url, max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
+                settings.redis_url,
+                max_sessions=settings.max_sessions,
+                ttl_s=settings.session_ttl_s,
                 per_session=settings.snapshots_per_session,
                 path=str(settings.store_file) if settings.store_file else None,
             )
         if chat_format is not None and services.upstream is not None and services.store is not None:
             services.chat = ChatService(
-                fmt=chat_format, upstream=services.upstream, store=services.store, metrics=metrics,
-                model_name=settings.model_name, admission=admission, warmup=settings.warmup,
+                fmt=chat_format,
+                upstream=services.upstream,
+                store=services.store,
+                metrics=metrics,
+                model_name=settings.model_name,
+                admission=admission,
+                warmup=settings.warmup,
             )
         try:
             yield

@@ -7,7 +7,8 @@ Every route but `/health` needs the key, given as `Authorization: Bearer KEY` (O
 from __future__ import annotations
 
 import hmac
-from typing import Any, Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
 
 from proxy.errors import AuthenticationFailed, error_bytes
 

@@ -42,14 +42,27 @@ class _StubUpstream:
 def _session(fmt: Any, target_tokens: int) -> list[dict[str, Any]]:
     """An agent session of about `target_tokens`: a system prompt, then rounds of tool call + result."""
     para = " ".join(f"word{i} alpha beta gamma delta." for i in range(60))  # ~400 tokens
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent.\n" + para},
-                                      {"role": "user", "content": "Refactor the project."}]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent.\n" + para},
+        {"role": "user", "content": "Refactor the project."},
+    ]
     i = 0
     while len(fmt.render(messages).ids) < target_tokens:
         for _ in range(8):
             i += 1
-            messages.append({"role": "assistant", "content": f"Step {i}.", "tool_calls": [
-                {"id": f"call_{i}", "type": "function", "function": {"name": "read", "arguments": json.dumps({"path": f"f{i}.py"})}}]})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": f"Step {i}.",
+                    "tool_calls": [
+                        {
+                            "id": f"call_{i}",
+                            "type": "function",
+                            "function": {"name": "read", "arguments": json.dumps({"path": f"f{i}.py"})},
+                        }
+                    ],
+                }
+            )
             messages.append({"role": "tool", "tool_call_id": f"call_{i}", "content": f"# file {i}\n" + para * 2})
     return messages
 
@@ -66,15 +79,25 @@ async def render_cost(model_dir: Path, tokens: int, new_tokens: int, reps: int) 
     history = _session(fmt, tokens)
     headers = {"x-session-id": "bench"}
     # Turn N: the whole history ends with a user message; it is stored as if the engine answered it.
-    last_call = {"role": "assistant", "content": "Reading.", "tool_calls": [
-        {"id": "call_last", "type": "function", "function": {"name": "read", "arguments": '{"path": "big.py"}'}}]}
+    last_call = {
+        "role": "assistant",
+        "content": "Reading.",
+        "tool_calls": [
+            {"id": "call_last", "type": "function", "function": {"name": "read", "arguments": '{"path": "big.py"}'}}
+        ],
+    }
     body_n = {"model": "m", "messages": history + [{"role": "user", "content": "Next file."}]}
     plan = await svc.plan(body_n, headers)
-    generated = fmt.tokenizer.encode("Reading.\n\n<tool_call>\n<function=read>\n<parameter=path>\nbig.py\n</parameter>\n</function>\n</tool_call>") + sorted(fmt.stop_token_ids)
+    generated = fmt.tokenizer.encode(
+        "Reading.\n\n<tool_call>\n<function=read>\n<parameter=path>\nbig.py\n</parameter>\n</function>\n</tool_call>"
+    ) + sorted(fmt.stop_token_ids)
     await svc.remember(plan, generated, "tool_calls", last_call)
     # Turn N+1: the reply echoed plus a ~1K-token tool result.
     big = " ".join(f"line{i} = compute(value_{i}) + offset" for i in range(int(new_tokens / 9.5)))
-    body = {"model": "m", "messages": body_n["messages"] + [last_call, {"role": "tool", "tool_call_id": "call_last", "content": big}]}
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": list(body_n["messages"]) + [last_call, {"role": "tool", "tool_call_id": "call_last", "content": big}],
+    }
     splice = await svc.plan(body, headers)
     if splice.parent is None:
         raise RuntimeError("benchmark setup error: turn N+1 did not splice")
@@ -89,9 +112,13 @@ async def render_cost(model_dir: Path, tokens: int, new_tokens: int, reps: int) 
         t = time.perf_counter()
         fmt.render(body["messages"])
         fresh.append(time.perf_counter() - t)
-    return {"session_tokens": len(splice.prompt), "new_tokens": new, "splice_p50_ms": statistics.median(times) * 1e3,
-            "splice_p95_ms": sorted(times)[int(0.95 * len(times)) - 1] * 1e3,
-            "fresh_render_warm_cache_p50_ms": statistics.median(fresh) * 1e3}
+    return {
+        "session_tokens": len(splice.prompt),
+        "new_tokens": new,
+        "splice_p50_ms": statistics.median(times) * 1e3,
+        "splice_p95_ms": sorted(times)[int(0.95 * len(times)) - 1] * 1e3,
+        "fresh_render_warm_cache_p50_ms": statistics.median(fresh) * 1e3,
+    }
 
 
 # -- 2./3. relay costs -----------------------------------------------------------------------------
@@ -119,8 +146,15 @@ def fake_engine_main(port: int, events: int, interval_ms: float) -> None:
         await resp.prepare(request)
         for i in range(min(n, events)):
             fin = "length" if i == min(n, events) - 1 else None
-            ev = {"id": "cmpl", "object": "text_completion", "created": 0, "model": "fake",
-                  "choices": [{"index": 0, "text": "x", "token_ids": [16 + i % 50], "logprobs": None, "finish_reason": fin}]}
+            ev = {
+                "id": "cmpl",
+                "object": "text_completion",
+                "created": 0,
+                "model": "fake",
+                "choices": [
+                    {"index": 0, "text": "x", "token_ids": [16 + i % 50], "logprobs": None, "finish_reason": fin}
+                ],
+            }
             await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
             if interval_ms:
                 await asyncio.sleep(interval_ms / 1000)
@@ -173,8 +207,23 @@ async def relay_costs(model_dir: Path, reps: int, streams: int, events: int) -> 
     py = sys.executable
     fake = subprocess.Popen([py, "-c", f"from proxy.bench_costs import fake_engine_main as m; m({up_port}, 1, 0)"])
     fake_slow = None
-    proxy = subprocess.Popen([py, "-m", "proxy", "--port", str(px_port), "--upstream", f"http://127.0.0.1:{up_port}",
-                              "--model-dir", str(model_dir), "--model-name", "m", "--log-level", "warning"])
+    proxy = subprocess.Popen(
+        [
+            py,
+            "-m",
+            "proxy",
+            "--port",
+            str(px_port),
+            "--upstream",
+            f"http://127.0.0.1:{up_port}",
+            "--model-dir",
+            str(model_dir),
+            "--model-name",
+            "m",
+            "--log-level",
+            "warning",
+        ]
+    )
     out: dict[str, float] = {}
     try:
         await _wait(f"http://127.0.0.1:{up_port}/health")
@@ -183,8 +232,13 @@ async def relay_costs(model_dir: Path, reps: int, streams: int, events: int) -> 
         passthru = f"http://127.0.0.1:{px_port}/v1/completions"
         chat = f"http://127.0.0.1:{px_port}/v1/chat/completions"
         comp = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1, "stream": True}
-        msgs = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stream": True,
-                "chat_template_kwargs": {"enable_thinking": False}}
+        msgs = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1,
+            "stream": True,
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
         res: dict[str, list[float]] = {"direct": [], "passthrough": [], "chat_first_byte": [], "chat_first_token": []}
         async with aiohttp.ClientSession() as s:
             for i in range(reps + 20):  # interleaved; the first 20 warm up
@@ -193,32 +247,40 @@ async def relay_costs(model_dir: Path, reps: int, streams: int, events: int) -> 
                 c = (await _ttfb(s, chat, {**msgs, "user": f"u{i}"}, False))[0]
                 ct = (await _ttfb(s, chat, {**msgs, "user": f"v{i}"}, True))[0]
                 if i >= 20:
-                    for k, v in zip(res, (d, p, c, ct)):
+                    for k, v in zip(res, (d, p, c, ct), strict=True):
                         res[k].append(v)
         base = statistics.median(res["direct"])
         out["direct_ttfb_p50_ms"] = base * 1e3
         for k in ("passthrough", "chat_first_byte", "chat_first_token"):
             out[f"{k}_added_p50_ms"] = (statistics.median(res[k]) - base) * 1e3
-            out[f"{k}_added_p95_ms"] = (sorted(res[k])[int(0.95 * reps) - 1] - sorted(res["direct"])[int(0.95 * reps) - 1]) * 1e3
+            out[f"{k}_added_p95_ms"] = (
+                sorted(res[k])[int(0.95 * reps) - 1] - sorted(res["direct"])[int(0.95 * reps) - 1]
+            ) * 1e3
         fake.terminate()
         fake.wait()
         # CPU per event: a slower engine that streams `events` events per request, `streams` at once.
-        fake_slow = subprocess.Popen([py, "-c", f"from proxy.bench_costs import fake_engine_main as m; m({up_port}, {events}, 5)"])
+        fake_slow = subprocess.Popen(
+            [py, "-c", f"from proxy.bench_costs import fake_engine_main as m; m({up_port}, {events}, 5)"]
+        )
         await _wait(f"http://127.0.0.1:{up_port}/health")
         async with aiohttp.ClientSession() as s:
-            for name, url, body in (("passthrough", passthru, {**comp, "max_tokens": events}),
-                                    ("chat", chat, {**msgs, "max_tokens": events})):
+            for name, url, body in (
+                ("passthrough", passthru, {**comp, "max_tokens": events}),
+                ("chat", chat, {**msgs, "max_tokens": events}),
+            ):
                 cpu0 = _cpu_seconds(proxy.pid)
-                counts = await asyncio.gather(*[_ttfb(s, url, {**body, "user": f"c{j}"}, False) for j in range(streams)])
+                counts = await asyncio.gather(
+                    *[_ttfb(s, url, {**body, "user": f"c{j}"}, False) for j in range(streams)]
+                )
                 cpu = _cpu_seconds(proxy.pid) - cpu0
                 upstream_events = streams * events
                 out[f"{name}_cpu_us_per_event"] = cpu / upstream_events * 1e6
                 out[f"{name}_events_relayed"] = sum(n for _, n in counts)
     finally:
-        for p in (fake, fake_slow, proxy):
-            if p is not None and p.poll() is None:
-                p.terminate()
-                p.wait()
+        for proc in (fake, fake_slow, proxy):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait()
     return out
 
 

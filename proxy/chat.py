@@ -19,7 +19,14 @@ from typing import Any
 
 from proxy.admission import Admission, Footprint, NoAdmission, Ticket
 from proxy.chat_output import (
-    DONE, ArgumentsGate, ChunkWriter, assistant_message, completion_body, completion_id, finish_reason, tool_call_id,
+    DONE,
+    ArgumentsGate,
+    ChunkWriter,
+    assistant_message,
+    completion_body,
+    completion_id,
+    finish_reason,
+    tool_call_id,
     usage_dict,
 )
 from proxy.errors import InvalidRequest, ProxyError, UpstreamError
@@ -46,7 +53,7 @@ class Plan:
 
     session: SessionIdentity
     norm: NormalizedChat
-    prompt: array  # array('I')
+    prompt: array[int]  # array('I')
     prompt_text: str  # the ids as JSON array body ("1,2,3"), built incrementally from the parent's
     parent: Snapshot | None  # the snapshot this prompt extends (spliced), if any
     msg_keys: list[str]
@@ -58,9 +65,18 @@ class Plan:
 
 
 class ChatService:
-    def __init__(self, *, fmt: ChatFormat, upstream: Upstream, store: SessionStore, metrics: Metrics,
-                 model_name: str, admission: Admission | None = None, warmup: bool = False,
-                 default_thinking: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        fmt: ChatFormat,
+        upstream: Upstream,
+        store: SessionStore,
+        metrics: Metrics,
+        model_name: str,
+        admission: Admission | None = None,
+        warmup: bool = False,
+        default_thinking: bool = True,
+    ) -> None:
         self.fmt = fmt
         self.upstream = upstream
         self.store = store
@@ -77,8 +93,13 @@ class ChatService:
         started = time.perf_counter()
         plan = await self.plan(body, headers)
         self.metrics.render_seconds.observe(time.perf_counter() - started)
-        foot = Footprint(session=plan.session.key, prompt_tokens=len(plan.prompt), max_tokens=plan.max_tokens,
-                         reused_tokens=len(plan.parent.ids) if plan.parent else 0, priority=priority(headers))
+        foot = Footprint(
+            session=plan.session.key,
+            prompt_tokens=len(plan.prompt),
+            max_tokens=plan.max_tokens,
+            reused_tokens=len(plan.parent.ids) if plan.parent else 0,
+            priority=priority(headers),
+        )
         ticket = await self.admission.acquire(foot)
         try:
             stream = await self.upstream.open_events("/v1/completions", await self._payload(plan))
@@ -104,7 +125,7 @@ class ChatService:
         spliced = found.snapshot is not None and found.reason is None
         validate_messages(norm.messages, found.new_from if spliced else 0)
         try:
-            if spliced:
+            if found.snapshot is not None and spliced:
                 prompt, text, ends = self._splice(found, norm, enable_thinking)
                 parent: Snapshot | None = found.snapshot
                 self.metrics.transcript_lookups.labels("hit").inc()
@@ -122,11 +143,21 @@ class ChatService:
             text = self.ids_text.encode(prompt)
         flag = headers.get(WARMUP_HEADER)
         warmup = self.warmup if flag is None else flag.strip() in ("1", "true", "yes")
-        return Plan(session=session, norm=norm, prompt=prompt, prompt_text=text, parent=parent, msg_keys=keys,
-                    msg_ends=ends, context=ctx, enable_thinking=enable_thinking, max_tokens=max_tokens,
-                    warmup=warmup)
+        return Plan(
+            session=session,
+            norm=norm,
+            prompt=prompt,
+            prompt_text=text,
+            parent=parent,
+            msg_keys=keys,
+            msg_ends=ends,
+            context=ctx,
+            enable_thinking=enable_thinking,
+            max_tokens=max_tokens,
+            warmup=warmup,
+        )
 
-    def _splice(self, found: Match, norm: NormalizedChat, enable_thinking: bool) -> tuple[array, str, list[int]]:
+    def _splice(self, found: Match, norm: NormalizedChat, enable_thinking: bool) -> tuple[array[int], str, list[int]]:
         snap = found.snapshot
         assert snap is not None  # invariant: called only on a hit
         after_stop = len(snap.ids) > 0 and snap.ids[-1] in self.fmt.stop_token_ids
@@ -140,7 +171,7 @@ class ChatService:
         ends = snap.msg_ends[: len(snap.msg_keys)] + [len(snap.ids)] + [len(prompt)] * len(new)
         return prompt, text, ends
 
-    def _account_fresh(self, session: SessionIdentity, found: Match, prompt: array) -> None:
+    def _account_fresh(self, session: SessionIdentity, found: Match, prompt: array[int]) -> None:
         if found.snapshot is None:
             self.metrics.transcript_lookups.labels("miss").inc()
             return
@@ -148,8 +179,13 @@ class ChatService:
         self.metrics.divergences.labels(found.reason or "unknown").inc()
         lost = max(0, found.shared_tokens - common_prefix_len(found.snapshot.ids, prompt))
         self.metrics.reprefilled_tokens.inc(lost)
-        log.info("session %s (%s) diverged: %s; %d previously-sent tokens will be prefilled again",
-                 session.key, session.source, found.reason, lost)
+        log.info(
+            "session %s (%s) diverged: %s; %d previously-sent tokens will be prefilled again",
+            session.key,
+            session.source,
+            found.reason,
+            lost,
+        )
 
     async def _payload(self, plan: Plan) -> bytes:
         info = await self.upstream.model()
@@ -174,9 +210,16 @@ class ChatService:
     async def remember(self, plan: Plan, generated: list[int], finish: str, reply: dict[str, Any]) -> None:
         ids = array("I", plan.prompt)
         ids.extend(generated)
-        snap = Snapshot(ids=ids, prompt_len=len(plan.prompt), msg_keys=plan.msg_keys, msg_ends=plan.msg_ends,
-                        reply_key=message_key(reply), context=plan.context, finish_reason=finish,
-                        parent_id=plan.parent.snapshot_id if plan.parent else None)
+        snap = Snapshot(
+            ids=ids,
+            prompt_len=len(plan.prompt),
+            msg_keys=plan.msg_keys,
+            msg_ends=plan.msg_ends,
+            reply_key=message_key(reply),
+            context=plan.context,
+            finish_reason=finish,
+            parent_id=plan.parent.snapshot_id if plan.parent else None,
+        )
         self.ids_text.put(snap.snapshot_id, plan.prompt_text, generated, snap.parent_id)
         await self.store.save(plan.session.key, snap)
         if plan.warmup:

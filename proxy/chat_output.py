@@ -73,8 +73,10 @@ class ChunkWriter:
             return self._chunk({"role": "assistant", "content": ""})
         # vLLM's return_token_ids extension: the prompt ids ride on the first chunk.
         head = self._head + b'"prompt_token_ids":[' + ",".join(map(str, prompt_ids)).encode() + b"],"
-        return (b"data: " + head + b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-                b'"logprobs":null,"finish_reason":null}]}\n\n')
+        return (
+            b"data: " + head + b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+            b'"logprobs":null,"finish_reason":null}]}\n\n'
+        )
 
     def deltas(self, deltas: list[Delta]) -> bytes:
         """One chunk per run of text deltas, one per tool-call event; b"" when nothing to send."""
@@ -186,7 +188,9 @@ def assistant_message(parsed: ParsedOutput) -> dict[str, Any]:
     return msg
 
 
-def completion_body(cid: str, model: str, message: dict[str, Any], finish: str, usage: dict[str, Any]) -> dict[str, Any]:
+def completion_body(
+    cid: str, model: str, message: dict[str, Any], finish: str, usage: dict[str, Any]
+) -> dict[str, Any]:
     return {
         "id": cid,
         "object": "chat.completion",

@@ -17,19 +17,25 @@ class Metrics:
             f"{ns}_request_seconds", "Time to the last byte", ["route"], buckets=_LATENCY_BUCKETS, registry=r
         )
         self.ttfb = Histogram(
-            f"{ns}_time_to_first_token_seconds", "Request start to first content/reasoning/tool delta",
-            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+            f"{ns}_time_to_first_token_seconds",
+            "Request start to first content/reasoning/tool delta",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.transcript_lookups = Counter(
-            f"{ns}_transcript_lookups", "Chat requests by transcript outcome (hit, miss, diverged)",
-            ["outcome"], registry=r,
+            f"{ns}_transcript_lookups",
+            "Chat requests by transcript outcome (hit, miss, diverged)",
+            ["outcome"],
+            registry=r,
         )
         self.divergences = Counter(
             f"{ns}_transcript_divergences", "Fresh renders of a known session, by reason", ["reason"], registry=r
         )
         self.reprefilled_tokens = Counter(
             f"{ns}_reprefilled_tokens",
-            "Previously-sent tokens that a divergence forces the engine to prefill again", registry=r,
+            "Previously-sent tokens that a divergence forces the engine to prefill again",
+            registry=r,
         )
         self.spliced_tokens = Counter(
             f"{ns}_spliced_tokens", "Prompt tokens reused verbatim from stored transcripts", registry=r
@@ -40,7 +46,8 @@ class Metrics:
             f"{ns}_cached_prompt_tokens", "Prompt tokens the engine reported as served from cache", registry=r
         )
         self.render_seconds = Histogram(
-            f"{ns}_render_seconds", "Render + tokenize + splice time per chat request",
+            f"{ns}_render_seconds",
+            "Render + tokenize + splice time per chat request",
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
             registry=r,
         )

@@ -24,8 +24,17 @@ from proxy.protocol import ChatRequest
 # Sampling fields forwarded to vLLM /v1/completions; everything else is dropped (store, metadata,
 # prompt_cache_key, prompt_cache_retention, service_tier, parallel_tool_calls, ...).
 SAMPLING_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "seed", "stop", "logprobs", "top_logprobs",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "logprobs",
+    "top_logprobs",
 )
 # vLLM extensions passed through as sent (tests force exact outputs with `structured_outputs`).
 VLLM_EXTRA_FIELDS = ("structured_outputs", "min_tokens", "ignore_eos", "logit_bias")

@@ -98,8 +98,17 @@ def echo(reply: dict[str, Any], client: str) -> dict[str, Any]:
 
 
 class Replayer:
-    def __init__(self, http: aiohttp.ClientSession, *, url: str, mode: str, model: str, api_key: str | None,
-                 metrics_url: str | None, gap_s: float) -> None:
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        *,
+        url: str,
+        mode: str,
+        model: str,
+        api_key: str | None,
+        metrics_url: str | None,
+        gap_s: float,
+    ) -> None:
         self.http = http
         self.url = url.rstrip("/")
         self.mode = mode
@@ -119,15 +128,17 @@ class Replayer:
 
     async def run(self, events: list[dict[str, Any]]) -> list[TurnResult]:
         sessions: dict[str, SessionState] = {}
-        results = []
+        results: list[TurnResult] = []
         for event in events:
             name = event["session"]
             kind = next(k for k in ("start", "turn", "compact", "side") if k in event)
             body = event[kind]
             if kind == "start":
                 state = sessions[name] = SessionState(spec=body)
-                state.messages = [{"role": body.get("system_role", "system"), "content": self.nonce + body["system"]},
-                                  {"role": "user", "content": body["user"]}]
+                state.messages = [
+                    {"role": body.get("system_role", "system"), "content": self.nonce + body["system"]},
+                    {"role": "user", "content": body["user"]},
+                ]
                 messages = state.messages
             else:
                 state = sessions[name]
@@ -155,12 +166,17 @@ class Replayer:
             state.messages.append({"role": "user", "content": body["user"]})
         return state.messages
 
-    async def _request(self, name: str, kind: str, state: SessionState, messages: list[dict[str, Any]],
-                       body: dict[str, Any]) -> TurnResult:
+    async def _request(
+        self, name: str, kind: str, state: SessionState, messages: list[dict[str, Any]], body: dict[str, Any]
+    ) -> TurnResult:
         spec = state.spec
         payload: dict[str, Any] = {
-            "model": self.model, "messages": messages, "stream": True, "temperature": 0,
-            "max_tokens": body.get("max_tokens", spec.get("max_tokens", 24)), "return_token_ids": True,
+            "model": self.model,
+            "messages": messages,
+            "stream": True,
+            "temperature": 0,
+            "max_tokens": body.get("max_tokens", spec.get("max_tokens", 24)),
+            "return_token_ids": True,
             "stream_options": {"include_usage": True},
             "chat_template_kwargs": {"enable_thinking": bool(spec.get("thinking", True))},
         }
@@ -171,8 +187,10 @@ class Replayer:
             payload["structured_outputs"] = {"choice": [force]}
         # Harness session headers get the mode's nonce so modes never share a transcript; sessions
         # without one are told apart by the proxy's fingerprint (the system prompt carries the nonce).
-        headers = {k: (f"{v}-{self.nonce_hex}" if k.lower() in SESSION_HEADERS else v)
-                   for k, v in spec.get("headers", {}).items()}
+        headers = {
+            k: (f"{v}-{self.nonce_hex}" if k.lower() in SESSION_HEADERS else v)
+            for k, v in spec.get("headers", {}).items()
+        }
         if self.mode == "proxy+warmup":
             headers["x-hyperharness-warmup"] = "1"
         if self.api_key:
@@ -187,7 +205,9 @@ class Replayer:
             state.last = reply
         return TurnResult(name, kind, len(prompt), cached, seen, lcp, ttft, len(output))
 
-    async def _stream(self, payload: dict[str, Any], headers: dict[str, str]) -> tuple[list[int], list[int], dict[str, Any], float]:
+    async def _stream(
+        self, payload: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[list[int], list[int], dict[str, Any], float]:
         started = time.perf_counter()
         ttft = 0.0
         prompt: list[int] = []
@@ -212,8 +232,9 @@ class Replayer:
                     reply["content"] += delta.get("content") or ""
                     reply["reasoning_content"] += delta.get("reasoning_content") or delta.get("reasoning") or ""
                     for tc in delta.get("tool_calls") or ():
-                        entry = calls.setdefault(tc["index"], {"id": "", "type": "function",
-                                                              "function": {"name": "", "arguments": ""}})
+                        entry = calls.setdefault(
+                            tc["index"], {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+                        )
                         entry["id"] += tc.get("id") or ""
                         fn = tc.get("function") or {}
                         entry["function"]["name"] += fn.get("name") or ""
@@ -224,28 +245,43 @@ class Replayer:
 
 
 def _table(mode: str, trace: str, results: list[TurnResult]) -> str:
-    lines = [f"\n== {trace} · {mode}",
-             f"{'#':>3} {'session':<10} {'kind':<8} {'prompt':>7} {'cached':>7} {'seen':>7} {'diverged':>8} "
-             f"{'reprefill':>9} {'ttft ms':>8}"]
+    lines = [
+        f"\n== {trace} · {mode}",
+        f"{'#':>3} {'session':<10} {'kind':<8} {'prompt':>7} {'cached':>7} {'seen':>7} {'diverged':>8} "
+        f"{'reprefill':>9} {'ttft ms':>8}",
+    ]
     for i, r in enumerate(results, 1):
-        lines.append(f"{i:>3} {r.session[:10]:<10} {r.kind:<8} {r.prompt:>7} {r.cached:>7} {r.seen:>7} "
-                     f"{r.diverged:>8} {r.reprefilled:>9} {r.ttft_ms:>8.1f}")
+        lines.append(
+            f"{i:>3} {r.session[:10]:<10} {r.kind:<8} {r.prompt:>7} {r.cached:>7} {r.seen:>7} "
+            f"{r.diverged:>8} {r.reprefilled:>9} {r.ttft_ms:>8.1f}"
+        )
     return "\n".join(lines)
 
 
 def _totals(results: list[TurnResult]) -> dict[str, float]:
     warm = [r for r in results if r.seen]
     return {
-        "prompt": sum(r.prompt for r in results), "cached": sum(r.cached for r in results),
-        "seen": sum(r.seen for r in warm), "diverged": sum(r.diverged for r in warm),
+        "prompt": sum(r.prompt for r in results),
+        "cached": sum(r.cached for r in results),
+        "seen": sum(r.seen for r in warm),
+        "diverged": sum(r.diverged for r in warm),
         "reprefilled": sum(r.reprefilled for r in warm),
         "ttft_ms": sum(r.ttft_ms for r in warm) / max(len(warm), 1),
     }
 
 
-async def replay(traces: Sequence[Path], base_url: str, direct_url: str | None = None, *, model: str = "default",
-                 api_key: str | None = None, metrics_url: str | None = None, gap_s: float = 0.5,
-                 warmup: bool = True, out: Any = sys.stdout) -> dict[str, dict[str, dict[str, float]]]:
+async def replay(
+    traces: Sequence[Path],
+    base_url: str,
+    direct_url: str | None = None,
+    *,
+    model: str = "default",
+    api_key: str | None = None,
+    metrics_url: str | None = None,
+    gap_s: float = 0.5,
+    warmup: bool = True,
+    out: Any = sys.stdout,
+) -> dict[str, dict[str, dict[str, float]]]:
     """Replay every trace in every mode; returns {trace: {mode: totals}} and prints the tables."""
     modes = [("proxy", base_url)] + ([("proxy+warmup", base_url)] if warmup else [])
     if direct_url:
@@ -267,16 +303,23 @@ async def replay(traces: Sequence[Path], base_url: str, direct_url: str | None =
 
 
 def _summary(summary: dict[str, dict[str, dict[str, float]]]) -> str:
-    lines = ["\n== totals over turns 2+ (compactions excluded from 'seen')",
-             f"{'trace':<22} {'mode':<13} {'prompt':>8} {'cached':>8} {'seen':>8} {'diverged':>8} {'reprefill':>9} {'ttft ms':>8}"]
+    lines = [
+        "\n== totals over turns 2+ (compactions excluded from 'seen')",
+        f"{'trace':<22} {'mode':<13} {'prompt':>8} {'cached':>8} {'seen':>8} {'diverged':>8} {'reprefill':>9}"
+        f" {'ttft ms':>8}",
+    ]
     for trace, modes in summary.items():
         for mode, t in modes.items():
-            lines.append(f"{trace[:22]:<22} {mode:<13} {t['prompt']:>8.0f} {t['cached']:>8.0f} {t['seen']:>8.0f} "
-                         f"{t['diverged']:>8.0f} {t['reprefilled']:>9.0f} {t['ttft_ms']:>8.1f}")
+            lines.append(
+                f"{trace[:22]:<22} {mode:<13} {t['prompt']:>8.0f} {t['cached']:>8.0f} {t['seen']:>8.0f} "
+                f"{t['diverged']:>8.0f} {t['reprefilled']:>9.0f} {t['ttft_ms']:>8.1f}"
+            )
         if "direct" in modes and "proxy" in modes and modes["proxy"]["reprefilled"]:
             d, p = modes["direct"], modes["proxy"]
-            lines.append(f"{'':<22} direct/proxy re-prefilled {d['reprefilled'] / p['reprefilled']:.2f}x, "
-                         f"TTFT {d['ttft_ms'] / max(p['ttft_ms'], 1e-9):.2f}x")
+            lines.append(
+                f"{'':<22} direct/proxy re-prefilled {d['reprefilled'] / p['reprefilled']:.2f}x, "
+                f"TTFT {d['ttft_ms'] / max(p['ttft_ms'], 1e-9):.2f}x"
+            )
     return "\n".join(lines)
 
 
@@ -284,12 +327,29 @@ def bundled_traces() -> list[Path]:
     return sorted(TRACES_DIR.glob("*.jsonl"))
 
 
-def replay_command(traces: list[Path], base_url: str, direct_url: str | None = None, model: str = "default",
-                   api_key: str | None = None, metrics_url: str | None = None, gap: float = 0.5,
-                   warmup: bool = True) -> None:
+def replay_command(
+    traces: list[Path],
+    base_url: str,
+    direct_url: str | None = None,
+    model: str = "default",
+    api_key: str | None = None,
+    metrics_url: str | None = None,
+    gap: float = 0.5,
+    warmup: bool = True,
+) -> None:
     """Entry point for the CLI (`hyperharness replay`); no TRACE means the three bundled traces."""
-    asyncio.run(replay(traces or bundled_traces(), base_url, direct_url, model=model, api_key=api_key,
-                       metrics_url=metrics_url, gap_s=gap, warmup=warmup))
+    asyncio.run(
+        replay(
+            traces or bundled_traces(),
+            base_url,
+            direct_url,
+            model=model,
+            api_key=api_key,
+            metrics_url=metrics_url,
+            gap_s=gap,
+            warmup=warmup,
+        )
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

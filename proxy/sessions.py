@@ -31,8 +31,9 @@ class SessionIdentity:
     source: str  # which header/field, or "fingerprint"
 
 
-def identify(headers: Mapping[str, str], body: Mapping[str, Any], messages: list[dict[str, Any]],
-             tools_key: str) -> SessionIdentity:
+def identify(
+    headers: Mapping[str, str], body: Mapping[str, Any], messages: list[dict[str, Any]], tools_key: str
+) -> SessionIdentity:
     """`headers` must be case-insensitive (Starlette's are) or lower-cased."""
     for name in SESSION_HEADERS:
         value = headers.get(name)

@@ -53,8 +53,7 @@ class Settings(BaseModel):
         if self.api_key or _is_loopback(self.host):
             return
         raise ValueError(
-            f"refusing to bind {self.host!r} without an API key; set {API_KEY_ENV} or --api-key-file,"
-            " or bind 127.0.0.1"
+            f"refusing to bind {self.host!r} without an API key; set {API_KEY_ENV} or --api-key-file, or bind 127.0.0.1"
         )
 
     @classmethod
@@ -111,8 +110,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", default=None, help="model directory (tokenizer, chat format)")
     p.add_argument("--model-name", default="default", help="model id served to clients")
     p.add_argument("--api-key-file", default=None, help=f"file holding the bearer key (else ${API_KEY_ENV})")
-    p.add_argument("--upstream-api-key-file", default=None,
-                   help=f"file holding the engine's key (else ${ENGINE_KEY_ENV} or $VLLM_API_KEY)")
+    p.add_argument(
+        "--upstream-api-key-file",
+        default=None,
+        help=f"file holding the engine's key (else ${ENGINE_KEY_ENV} or $VLLM_API_KEY)",
+    )
     p.add_argument("--redis-url", default=None, help="transcript store in Redis (default: in-process)")
     p.add_argument("--max-sessions", type=int, default=256)
     p.add_argument("--session-ttl", type=float, default=6 * 3600, help="seconds")

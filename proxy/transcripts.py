@@ -72,7 +72,9 @@ def message_key(message: dict[str, Any]) -> str:
     if role == "assistant":
         for call in message.get("tool_calls") or ():
             fn = call.get("function") or {}
-            h.update(b"\x01" + str(fn.get("name")).encode() + b"\x00" + _canonical_arguments(fn.get("arguments")).encode())
+            h.update(
+                b"\x01" + str(fn.get("name")).encode() + b"\x00" + _canonical_arguments(fn.get("arguments")).encode()
+            )
     elif role == "tool":
         h.update(b"\x02" + str(message.get("tool_call_id") or "").encode())
     if message.get("name"):
@@ -136,7 +138,6 @@ def _raw_fields(message: dict[str, Any]) -> tuple[Any, ...] | None:
     return (message.get("role"), content, message.get("tool_call_id"), message.get("name"), calls)
 
 
-
 def context_key(tools_key: str, template_kwargs: dict[str, Any]) -> str:
     return hashlib.blake2b((tools_key + "\x00" + _canon(template_kwargs)).encode(), digest_size=12).hexdigest()
 
@@ -148,7 +149,7 @@ def new_snapshot_id() -> str:
 
 @dataclass(slots=True)
 class Snapshot:
-    ids: array  # array('I'): prompt ids then generated ids, exactly as the engine saw/produced them
+    ids: array[int]  # array('I'): prompt ids then generated ids, exactly as the engine saw/produced them
     prompt_len: int
     msg_keys: list[str]  # keys of the request messages the prompt covered
     msg_ends: list[int]  # token offset (in ids) where each covered message's span ends; may be empty
@@ -160,8 +161,14 @@ class Snapshot:
 
     def to_bytes(self) -> bytes:
         header = {
-            "p": self.prompt_len, "k": self.msg_keys, "e": self.msg_ends, "r": self.reply_key,
-            "c": self.context, "f": self.finish_reason, "i": self.snapshot_id, "pa": self.parent_id,
+            "p": self.prompt_len,
+            "k": self.msg_keys,
+            "e": self.msg_ends,
+            "r": self.reply_key,
+            "c": self.context,
+            "f": self.finish_reason,
+            "i": self.snapshot_id,
+            "pa": self.parent_id,
         }
         head = json.dumps(header, separators=(",", ":")).encode()
         ids = self.ids if self.ids.itemsize == 4 else array("I", self.ids)
@@ -173,8 +180,17 @@ class Snapshot:
         h = json.loads(blob[4 : 4 + n])
         ids = array("I")
         ids.frombytes(blob[4 + n :])
-        return cls(ids=ids, prompt_len=h["p"], msg_keys=h["k"], msg_ends=h["e"], reply_key=h["r"],
-                   context=h["c"], finish_reason=h["f"], snapshot_id=h["i"], parent_id=h.get("pa"))
+        return cls(
+            ids=ids,
+            prompt_len=h["p"],
+            msg_keys=h["k"],
+            msg_ends=h["e"],
+            reply_key=h["r"],
+            context=h["c"],
+            finish_reason=h["f"],
+            snapshot_id=h["i"],
+            parent_id=h.get("pa"),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +211,7 @@ class Match:
 def _shared_prefix(snapshot: Snapshot, keys: list[str]) -> tuple[int, int]:
     """(number of leading request messages equal to the snapshot's, tokens they cover in its ids)."""
     n = 0
-    for a, b in zip(snapshot.msg_keys, keys):
+    for a, b in zip(snapshot.msg_keys, keys, strict=False):
         if a != b:
             break
         n += 1
@@ -205,8 +221,9 @@ def _shared_prefix(snapshot: Snapshot, keys: list[str]) -> tuple[int, int]:
     return n, tokens
 
 
-def match(snapshots: Sequence[Snapshot], messages: list[dict[str, Any]], context: str,
-          keys: list[str] | None = None) -> Match:
+def match(
+    snapshots: Sequence[Snapshot], messages: list[dict[str, Any]], context: str, keys: list[str] | None = None
+) -> Match:
     """Find the snapshot this request extends (newest first); else the best divergence reason.
     `keys` are the messages' `message_key`s when the caller has them already."""
     if not snapshots:

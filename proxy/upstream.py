@@ -18,8 +18,21 @@ from proxy.errors import InvalidRequest, UpstreamError
 
 # Hop-by-hop and length headers must not be copied between the two connections.
 _HOP_HEADERS = frozenset(
-    {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "host", "upgrade",
-     "proxy-authorization", "proxy-authenticate", "te", "trailer", "authorization", "x-api-key"}
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "content-length",
+        "content-encoding",
+        "host",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-authenticate",
+        "te",
+        "trailer",
+        "authorization",
+        "x-api-key",
+    }
 )
 
 

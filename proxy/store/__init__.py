@@ -27,8 +27,9 @@ class SessionStore(Protocol):
     async def close(self) -> None: ...
 
 
-def make_store(redis_url: str | None, *, max_sessions: int, ttl_s: float, per_session: int,
-               path: str | None = None) -> SessionStore:
+def make_store(
+    redis_url: str | None, *, max_sessions: int, ttl_s: float, per_session: int, path: str | None = None
+) -> SessionStore:
     if redis_url:
         from proxy.store.redis import RedisStore
 

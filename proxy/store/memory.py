@@ -21,9 +21,16 @@ _MAGIC = b"HHTS1\n"
 
 
 class MemoryStore:
-    def __init__(self, *, max_sessions: int = 256, ttl_s: float = 6 * 3600, per_session: int = 4,
-                 max_ids: int = DEFAULT_MAX_IDS, path: str | os.PathLike[str] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        max_sessions: int = 256,
+        ttl_s: float = 6 * 3600,
+        per_session: int = 4,
+        max_ids: int = DEFAULT_MAX_IDS,
+        path: str | os.PathLike[str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_sessions < 1 or per_session < 1 or ttl_s <= 0:
             raise ValueError(f"bad store bounds: max_sessions={max_sessions} per_session={per_session} ttl_s={ttl_s}")
         self.max_sessions = max_sessions

@@ -57,8 +57,10 @@ class ToyParser(OutputParser):
         if text.startswith("CALL "):
             _, name, args = text.split(" ", 2)
             self.call = ToolCall(self.new_id(), name, args)
-            return [Delta(DeltaKind.TOOL_CALL, index=0, id=self.call.id, name=name),
-                    Delta(DeltaKind.ARGUMENTS, args, index=0)]
+            return [
+                Delta(DeltaKind.TOOL_CALL, index=0, id=self.call.id, name=name),
+                Delta(DeltaKind.ARGUMENTS, args, index=0),
+            ]
         out = [Delta(DeltaKind.CONTENT, text[self.sent :])] if len(text) > self.sent else []
         self.sent = len(text)
         return out
@@ -77,8 +79,16 @@ class ToyFormat(ChatFormat):
     def stop_token_ids(self) -> frozenset[int]:
         return frozenset((IM_END,))
 
-    def render(self, messages, tools=None, *, add_generation_prompt=True, enable_thinking=True,  # type: ignore[no-untyped-def,override]
-               continue_final_message=False, **template_kwargs) -> Rendered:
+    def render(
+        self,
+        messages,
+        tools=None,
+        *,
+        add_generation_prompt=True,
+        enable_thinking=True,  # type: ignore[no-untyped-def,override]
+        continue_final_message=False,
+        **template_kwargs,
+    ) -> Rendered:
         for m in messages:
             if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
                 raise ValueError(f"bad role {m['role']}")
@@ -94,8 +104,15 @@ class ToyFormat(ChatFormat):
             ids += [IM_START] + enc("assistant\n")
         return Rendered(ids=ids, spans=tuple(spans), generation=gen)
 
-    def render_continuation(self, messages, tools=None, *, add_generation_prompt=True, enable_thinking=True,  # type: ignore[no-untyped-def,override]
-                            after_stop=True) -> list[int]:
+    def render_continuation(
+        self,
+        messages,
+        tools=None,
+        *,
+        add_generation_prompt=True,
+        enable_thinking=True,  # type: ignore[no-untyped-def,override]
+        after_stop=True,
+    ) -> list[int]:
         ids = enc("\n") if after_stop else [IM_END] + enc("\n")
         for m in messages:
             ids += _msg(m)

@@ -68,18 +68,32 @@ class FakeVLLM:
         limit = body.get("max_tokens") or len(ids)
         if limit < len(ids):
             ids, texts, finish = ids[:limit], texts[:limit], "length"
-        usage = {"prompt_tokens": n_prompt, "completion_tokens": len(ids), "total_tokens": n_prompt + len(ids),
-                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        usage = {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": len(ids),
+            "total_tokens": n_prompt + len(ids),
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
         base = {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": self.model_id}
         if not body.get("stream"):
             choice = {"index": 0, "text": "".join(texts), "finish_reason": finish, "token_ids": ids}
-            return web.json_response({**base, "choices": [choice], "usage": usage,
-                                      "prompt_token_ids": prompt if isinstance(prompt, list) else None})
+            return web.json_response(
+                {
+                    **base,
+                    "choices": [choice],
+                    "usage": usage,
+                    "prompt_token_ids": prompt if isinstance(prompt, list) else None,
+                }
+            )
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
         for i, (tid, text) in enumerate(zip(ids, texts)):
-            choice: dict[str, Any] = {"index": 0, "text": text, "token_ids": [tid],
-                                      "finish_reason": finish if i == len(ids) - 1 else None}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "text": text,
+                "token_ids": [tid],
+                "finish_reason": finish if i == len(ids) - 1 else None,
+            }
             event: dict[str, Any] = {**base, "choices": [choice]}
             if i == 0 and isinstance(prompt, list):
                 event["prompt_token_ids"] = prompt
@@ -91,8 +105,13 @@ class FakeVLLM:
                 self.aborted += 1
                 raise
         if not ids:
-            await resp.write(b"data: " + json.dumps({**base, "choices": [
-                {"index": 0, "text": "", "token_ids": [], "finish_reason": finish}]}).encode() + b"\n\n")
+            await resp.write(
+                b"data: "
+                + json.dumps(
+                    {**base, "choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": finish}]}
+                ).encode()
+                + b"\n\n"
+            )
         if (body.get("stream_options") or {}).get("include_usage"):
             await resp.write(b"data: " + json.dumps({**base, "choices": [], "usage": usage}).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
@@ -104,12 +123,21 @@ class FakeVLLM:
         base = {"id": "chatcmpl-fake", "created": 0, "model": body.get("model")}
         if not body.get("stream"):
             msg = {"role": "assistant", "content": "hi"}
-            return web.json_response({**base, "object": "chat.completion",
-                                      "choices": [{"index": 0, "message": msg, "finish_reason": "stop"}]})
+            return web.json_response(
+                {
+                    **base,
+                    "object": "chat.completion",
+                    "choices": [{"index": 0, "message": msg, "finish_reason": "stop"}],
+                }
+            )
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
         for delta, fin in (({"role": "assistant", "content": ""}, None), ({"content": "hi"}, None), ({}, "stop")):
-            chunk = {**base, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": fin}]}
+            chunk = {
+                **base,
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": fin}],
+            }
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp

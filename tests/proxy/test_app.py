@@ -15,7 +15,6 @@ pytestmark = [pytest.mark.unit, pytest.mark.asyncio(loop_scope="session")]
 KEY = "sk-test-key"
 
 
-
 @pytest_asyncio.fixture(loop_scope="session")
 async def proxy_url():  # type: ignore[no-untyped-def]
     fake = FakeVLLM()
@@ -33,7 +32,9 @@ async def test_health_is_open(proxy_url) -> None:  # type: ignore[no-untyped-def
     assert r.json() == {"status": "ok"}
 
 
-@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer nope"}, {"x-api-key": "nope"}, {"authorization": "Basic " + KEY}])
+@pytest.mark.parametrize(
+    "headers", [{}, {"authorization": "Bearer nope"}, {"x-api-key": "nope"}, {"authorization": "Basic " + KEY}]
+)
 async def test_auth_rejects(proxy_url, headers) -> None:  # type: ignore[no-untyped-def]
     url, _ = proxy_url
     async with httpx.AsyncClient() as c:

@@ -71,8 +71,12 @@ async def test_non_streaming(env: Env) -> None:
 async def test_streaming_shape(env: Env) -> None:
     env.say("yo")
     stream = await env.client.chat.completions.create(
-        model="any", messages=[SYS, {"role": "user", "content": "stream"}], stream=True,
-        stream_options={"include_usage": True}, extra_headers={"x-session-id": "s-stream"})
+        model="any",
+        messages=[SYS, {"role": "user", "content": "stream"}],
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"x-session-id": "s-stream"},
+    )
     chunks = [c async for c in stream]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "yo"
@@ -81,8 +85,9 @@ async def test_streaming_shape(env: Env) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     async with httpx.AsyncClient() as c:
         env.say("x")
-        raw = await c.post(env.url + "/v1/chat/completions", headers={"x-api-key": KEY},
-                           json={"messages": [USER], "stream": True})
+        raw = await c.post(
+            env.url + "/v1/chat/completions", headers={"x-api-key": KEY}, json={"messages": [USER], "stream": True}
+        )
     assert raw.text.endswith("data: [DONE]\n\n")
     assert raw.headers["x-accel-buffering"] == "no"
 
@@ -90,21 +95,31 @@ async def test_streaming_shape(env: Env) -> None:
 async def test_multi_turn_append_only_with_tool_call(env: Env) -> None:
     h = {"x-session-id": "loop"}
     env.say('CALL read {"path": "a.py", "n": 1}')
-    r1 = await env.client.chat.completions.create(model="m", messages=[SYS, USER], tools=[
-        {"type": "function", "function": {"name": "read", "parameters": {"type": "object", "properties": {}}}}],
-        extra_headers=h)
+    r1 = await env.client.chat.completions.create(
+        model="m",
+        messages=[SYS, USER],
+        tools=[{"type": "function", "function": {"name": "read", "parameters": {"type": "object", "properties": {}}}}],
+        extra_headers=h,
+    )
     msg = r1.choices[0].message
     assert r1.choices[0].finish_reason == "tool_calls"
     (call,) = msg.tool_calls or []
     assert call.function.name == "read" and call.id.startswith("call_")
     p1, g1 = env.prompt(), enc('CALL read {"path": "a.py", "n": 1}') + [IM_END]
     # The client re-serializes the arguments and drops content; the history still maps.
-    echoed = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": call.id, "type": "function", "function": {"name": "read", "arguments": '{"n":1,"path":"a.py"}'}}]}
+    echoed = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": "read", "arguments": '{"n":1,"path":"a.py"}'}}
+        ],
+    }
     tool = {"role": "tool", "tool_call_id": call.id, "content": "print(1)"}
     env.say("done")
     tools = [{"type": "function", "function": {"parameters": {"properties": {}, "type": "object"}, "name": "read"}}]
-    await env.client.chat.completions.create(model="m", messages=[SYS, USER, echoed, tool], tools=tools, extra_headers=h)
+    await env.client.chat.completions.create(
+        model="m", messages=[SYS, USER, echoed, tool], tools=tools, extra_headers=h
+    )
     p2 = env.prompt()
     assert p2[: len(p1) + len(g1)] == p1 + g1
     env.say("bye")
@@ -121,8 +136,12 @@ async def test_divergence_is_counted(env: Env) -> None:
     env.say("first")
     await env.client.chat.completions.create(model="m", messages=[SYS, USER], extra_headers=h)
     env.say("second")
-    edited = [SYS, {"role": "user", "content": "hi!"}, {"role": "assistant", "content": "first"},
-              {"role": "user", "content": "go"}]
+    edited = [
+        SYS,
+        {"role": "user", "content": "hi!"},
+        {"role": "assistant", "content": "first"},
+        {"role": "user", "content": "go"},
+    ]
     await env.client.chat.completions.create(model="m", messages=edited, extra_headers=h)
     async with httpx.AsyncClient() as c:
         metrics = (await c.get(env.url + "/metrics", headers={"x-api-key": KEY})).text
@@ -147,8 +166,10 @@ async def test_length_finish_then_continue(env: Env) -> None:
     p1 = env.prompt()
     env.say("z")
     await env.client.chat.completions.create(
-        model="m", messages=[USER, {"role": "assistant", "content": "abcdef"}, {"role": "user", "content": "go on"}],
-        extra_headers=h)
+        model="m",
+        messages=[USER, {"role": "assistant", "content": "abcdef"}, {"role": "user", "content": "go on"}],
+        extra_headers=h,
+    )
     p2 = env.prompt()
     assert p2[: len(p1) + 7] == p1 + enc("abcdef") + [IM_END]  # the cut turn is closed by the continuation
 
@@ -166,12 +187,18 @@ async def test_upstream_failure_writes_no_transcript(env: Env, status: int) -> N
     assert await env.store.load(f"h:fail{status}") == []
 
 
-@pytest.mark.parametrize("body", [
-    {"messages": [{"role": "wizard", "content": "x"}]},
-    {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
-    {"messages": "nope"},
-    {"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}],
+        },
+        {"messages": "nope"},
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"},
+    ],
+)
 async def test_bad_input_is_openai_400(env: Env, body: dict) -> None:  # type: ignore[type-arg]
     async with httpx.AsyncClient() as c:
         r = await c.post(env.url + "/v1/chat/completions", headers={"x-api-key": KEY}, json=body)
@@ -184,15 +211,20 @@ async def test_bad_input_is_openai_400(env: Env, body: dict) -> None:  # type: i
 async def test_return_token_ids_both_ways(env: Env) -> None:
     h = {"x-session-id": "ids"}
     env.say("hey")
-    r = await env.client.chat.completions.create(model="m", messages=[USER], extra_headers=h,
-                                                 extra_body={"return_token_ids": True})
+    r = await env.client.chat.completions.create(
+        model="m", messages=[USER], extra_headers=h, extra_body={"return_token_ids": True}
+    )
     extra = r.model_extra or {}
     assert extra["prompt_token_ids"] == env.prompt()
     assert (r.choices[0].model_extra or {})["token_ids"] == enc("hey") + [IM_END]
     env.say("ho")
     stream = await env.client.chat.completions.create(
-        model="m", messages=[USER, {"role": "assistant", "content": "hey"}, {"role": "user", "content": "again"}],
-        extra_headers=h, stream=True, extra_body={"return_token_ids": True})
+        model="m",
+        messages=[USER, {"role": "assistant", "content": "hey"}, {"role": "user", "content": "again"}],
+        extra_headers=h,
+        stream=True,
+        extra_body={"return_token_ids": True},
+    )
     chunks = [c async for c in stream]
     assert (chunks[0].model_extra or {})["prompt_token_ids"] == env.prompt()
     fin = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
@@ -223,14 +255,17 @@ async def test_admission_seam_and_client_disconnect() -> None:
     admission = RecordingAdmission()
     store = MemoryStore()
     async with fake_vllm_server(fake) as upstream:
-        app = create_app(Settings(upstream=upstream, model_name="m"), fmt=ToyFormat(), store=store,
-                         admission=admission)
+        app = create_app(Settings(upstream=upstream, model_name="m"), fmt=ToyFormat(), store=store, admission=admission)
         async with serve_app(app) as url:
             ids = enc("x" * 40) + [IM_END]
             fake.scripts.append((ids, [""] * len(ids), "stop"))
             async with httpx.AsyncClient() as c:
-                async with c.stream("POST", url + "/v1/chat/completions", headers={"x-session-id": "gone"},
-                                    json={"messages": [USER], "stream": True, "max_tokens": 50}) as r:
+                async with c.stream(
+                    "POST",
+                    url + "/v1/chat/completions",
+                    headers={"x-session-id": "gone"},
+                    json={"messages": [USER], "stream": True, "max_tokens": 50},
+                ) as r:
                     async for _ in r.aiter_lines():
                         break  # the client goes away after the first chunk
             for _ in range(100):

@@ -21,13 +21,24 @@ def test_chunks_parse_and_merge_text() -> None:
     w = ChunkWriter("chatcmpl-1", "m", created=5)
     (role,) = _events(w.role())
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    out = _events(w.deltas([Delta(DeltaKind.REASONING, "a"), Delta(DeltaKind.REASONING, "b"),
-                            Delta(DeltaKind.CONTENT, "c"),
-                            Delta(DeltaKind.TOOL_CALL, index=0, id="call_1", name="f"),
-                            Delta(DeltaKind.ARGUMENTS, "{}", index=0)]))
+    out = _events(
+        w.deltas(
+            [
+                Delta(DeltaKind.REASONING, "a"),
+                Delta(DeltaKind.REASONING, "b"),
+                Delta(DeltaKind.CONTENT, "c"),
+                Delta(DeltaKind.TOOL_CALL, index=0, id="call_1", name="f"),
+                Delta(DeltaKind.ARGUMENTS, "{}", index=0),
+            ]
+        )
+    )
     assert out[0]["choices"][0]["delta"] == {"reasoning_content": "ab", "content": "c", "reasoning": "ab"}
     assert out[1]["choices"][0]["delta"]["tool_calls"][0] == {
-        "index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}
+        "index": 0,
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "f", "arguments": ""},
+    }
     assert out[2]["choices"][0]["delta"]["tool_calls"][0] == {"index": 0, "function": {"arguments": "{}"}}
     (fin,) = _events(w.finish("tool_calls"))
     assert fin["choices"][0]["finish_reason"] == "tool_calls" and fin["object"] == "chat.completion.chunk"
@@ -44,7 +55,7 @@ def test_finish_reason() -> None:
 
 def test_gate_releases_complete_objects_and_repairs_broken_fragments() -> None:
     gate = ArgumentsGate()
-    good = [Delta(DeltaKind.ARGUMENTS, t, index=0) for t in ('{"a": ', '1', '}')]
+    good = [Delta(DeltaKind.ARGUMENTS, t, index=0) for t in ('{"a": ', "1", "}")]
     released = [d for part in good for d in gate.filter([part])]
     assert [d.text for d in released] == ['{"a": 1}']
     broken = [Delta(DeltaKind.ARGUMENTS, t, index=1) for t in ('{"p": "', "x", "\\n</parameter")]

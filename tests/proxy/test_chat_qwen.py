@@ -23,8 +23,20 @@ from tests.proxy.fake_vllm import FakeVLLM, fake_vllm_server, serve_app
 pytestmark = [pytest.mark.unit, pytest.mark.asyncio(loop_scope="session")]
 
 KEY = "k"
-TOOLS = [{"type": "function", "function": {"name": "read", "description": "Read a file", "parameters": {
-    "type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}}, "required": ["path"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read",
+            "description": "Read a file",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
+                "required": ["path"],
+            },
+        },
+    }
+]
 CALLS = (
     "<tool_call>\n<function=read>\n<parameter=path>\na.py\n</parameter>\n<parameter=limit>\n5\n</parameter>\n"
     "</function>\n</tool_call>\n<tool_call>\n<function=read>\n<parameter=path>\nb.py\n</parameter>\n</function>\n"
@@ -68,7 +80,9 @@ def echo(msg: Any, variant: str) -> dict[str, Any]:
             args = c.function.arguments
             if variant == "reserialized":
                 args = json.dumps(json.loads(args), sort_keys=True, separators=(",", ":"))
-            out["tool_calls"].append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
+            out["tool_calls"].append(
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}}
+            )
     return out
 
 
@@ -78,14 +92,18 @@ async def test_agent_loop_append_only(env: Any, qwen: Qwen3xFormat, variant: str
     fake, client = env
     session = {"x-session-id": f"{variant}-{thinking}"}
     extra = {"chat_template_kwargs": {"enable_thinking": thinking}}
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Read a.py and b.py"}]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Read a.py and b.py"},
+    ]
     think = "I should read both files.\n</think>\n\n" if thinking else ""
     outputs = [think + "Reading both." + "\n\n" + CALLS, think + "Both files are short.", think + "Done."]
     prev: list[int] | None = None
     for turn, text in enumerate(outputs):
         gen = script(fake, qwen, text)
-        r = await client.chat.completions.create(model="q", messages=messages, tools=TOOLS, extra_headers=session,
-                                                 extra_body=extra, temperature=0)
+        r = await client.chat.completions.create(
+            model="q", messages=messages, tools=TOOLS, extra_headers=session, extra_body=extra, temperature=0
+        )
         prompt = list(fake.requests[-1]["prompt"])
         if prev is not None:
             assert prompt[: len(prev)] == prev, f"turn {turn}: prompt does not extend the previous one"
@@ -100,7 +118,9 @@ async def test_agent_loop_append_only(env: Any, qwen: Qwen3xFormat, variant: str
                 assert (msg.model_extra or {})["reasoning_content"] == "I should read both files.\n"
                 assert (msg.model_extra or {})["reasoning"] == "I should read both files.\n"
             messages.append(echo(msg, variant))
-            messages += [{"role": "tool", "tool_call_id": c.id, "content": f"contents of {i}"} for i, c in enumerate(calls)]
+            messages += [
+                {"role": "tool", "tool_call_id": c.id, "content": f"contents of {i}"} for i, c in enumerate(calls)
+            ]
         else:
             messages.append(echo(msg, variant))
             messages.append({"role": "user", "content": f"next {turn}"})
@@ -110,7 +130,8 @@ async def test_streamed_tool_calls_are_incremental(env: Any, qwen: Qwen3xFormat)
     fake, client = env
     script(fake, qwen, "ok\n</think>\n\n" + CALLS)
     stream = await client.chat.completions.create(
-        model="q", messages=[{"role": "user", "content": "go"}], tools=TOOLS, stream=True)
+        model="q", messages=[{"role": "user", "content": "go"}], tools=TOOLS, stream=True
+    )
     calls: dict[int, dict[str, str]] = {}
     reasoning = ""
     finish = None

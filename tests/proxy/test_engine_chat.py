@@ -33,8 +33,16 @@ from tests.proxy.fake_vllm import serve_app
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
 KEY = "sk-engine-test"
-TOOLS = [{"type": "function", "function": {"name": "read", "description": "Read a file", "parameters": {
-    "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read",
+            "description": "Read a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    }
+]
 SYSTEM = {"role": "system", "content": "You are a careful coding agent. Answer briefly."}
 # Two parallel calls, forced with vLLM's structured outputs (the tiny hybrid has random weights).
 CALLS = "".join(
@@ -102,7 +110,8 @@ async def tokenize(r: Rig, messages: list[dict[str, Any]], **extra: Any) -> list
 async def test_unseen_conversation_equals_vllm_tokenize_smol(smol: Rig) -> None:
     messages = [SYSTEM, {"role": "user", "content": "Name three primes."}]
     resp = await smol.client.chat.completions.create(
-        model="x", messages=messages, max_tokens=1, extra_headers=session(), extra_body={"return_token_ids": True})
+        model="x", messages=messages, max_tokens=1, extra_headers=session(), extra_body={"return_token_ids": True}
+    )
     assert ids_of(resp)[0] == await tokenize(smol, messages)
 
 
@@ -110,36 +119,63 @@ async def test_unseen_conversation_equals_vllm_tokenize_smol(smol: Rig) -> None:
 async def test_unseen_conversation_equals_vllm_tokenize_hybrid(hybrid: Rig, thinking: bool) -> None:
     # `reasoning`, not `reasoning_content`: vLLM's /tokenize drops the latter (its chat endpoint
     # renames it; test_reasoning_content_matches_vllm_chat_prompt checks that path).
-    messages = [SYSTEM, {"role": "user", "content": "Read a.py"},
-                {"role": "assistant", "content": "", "reasoning": "need the file",
-                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.py"}'}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": "print('hi')"}]
+    messages = [
+        SYSTEM,
+        {"role": "user", "content": "Read a.py"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning": "need the file",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.py"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "print('hi')"},
+    ]
     kwargs = {"enable_thinking": thinking}
     resp = await hybrid.client.chat.completions.create(
-        model="x", messages=messages, tools=TOOLS, max_tokens=1, extra_headers=session(),
-        extra_body={"return_token_ids": True, "chat_template_kwargs": kwargs})
+        model="x",
+        messages=messages,
+        tools=TOOLS,
+        max_tokens=1,
+        extra_headers=session(),
+        extra_body={"return_token_ids": True, "chat_template_kwargs": kwargs},
+    )
     assert ids_of(resp)[0] == await tokenize(hybrid, messages, tools=TOOLS, chat_template_kwargs=kwargs)
 
 
 async def test_reasoning_content_matches_vllm_chat_prompt(hybrid: Rig) -> None:
-    messages = [SYSTEM, {"role": "user", "content": "Read a.py"},
-                {"role": "assistant", "content": "Sure.", "reasoning_content": "need the file",
-                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.py"}'}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": "print('hi')"}]
+    messages = [
+        SYSTEM,
+        {"role": "user", "content": "Read a.py"},
+        {
+            "role": "assistant",
+            "content": "Sure.",
+            "reasoning_content": "need the file",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.py"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "print('hi')"},
+    ]
     body = {"return_token_ids": True}
-    direct = await hybrid.direct.chat.completions.create(model=hybrid.model, messages=messages, tools=TOOLS,
-                                                         max_tokens=1, extra_body=body)
-    proxied = await hybrid.client.chat.completions.create(model="x", messages=messages, tools=TOOLS, max_tokens=1,
-                                                          extra_headers=session(), extra_body=body)
+    direct = await hybrid.direct.chat.completions.create(
+        model=hybrid.model, messages=messages, tools=TOOLS, max_tokens=1, extra_body=body
+    )
+    proxied = await hybrid.client.chat.completions.create(
+        model="x", messages=messages, tools=TOOLS, max_tokens=1, extra_headers=session(), extra_body=body
+    )
     assert ids_of(proxied)[0] == ids_of(direct)[0]
 
 
 async def _same_as_direct(r: Rig, messages: list[dict[str, Any]], **extra: Any) -> None:
     body = {"return_token_ids": True, **extra}
-    direct = await r.direct.chat.completions.create(model=r.model, messages=messages, max_tokens=12, temperature=0,
-                                                    extra_body=body)
-    proxied = await r.client.chat.completions.create(model="x", messages=messages, max_tokens=12, temperature=0,
-                                                     extra_headers=session(), extra_body=body)
+    direct = await r.direct.chat.completions.create(
+        model=r.model, messages=messages, max_tokens=12, temperature=0, extra_body=body
+    )
+    proxied = await r.client.chat.completions.create(
+        model="x", messages=messages, max_tokens=12, temperature=0, extra_headers=session(), extra_body=body
+    )
     d_prompt, d_out = ids_of(direct)
     p_prompt, p_out = ids_of(proxied)
     assert p_prompt == d_prompt
@@ -151,17 +187,25 @@ async def _same_as_direct(r: Rig, messages: list[dict[str, Any]], **extra: Any) 
 async def test_temperature0_fidelity_smol(smol: Rig) -> None:
     await _same_as_direct(smol, [SYSTEM, {"role": "user", "content": "What is the capital of France?"}])
     direct = await smol.direct.chat.completions.create(
-        model=smol.model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12, temperature=0)
+        model=smol.model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12, temperature=0
+    )
     proxied = await smol.client.chat.completions.create(
-        model="x", messages=[{"role": "user", "content": "Say hello."}], max_tokens=12, temperature=0,
-        extra_headers=session())
+        model="x",
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=12,
+        temperature=0,
+        extra_headers=session(),
+    )
     assert proxied.choices[0].message.content == direct.choices[0].message.content
 
 
 @pytest.mark.parametrize("thinking", [True, False])
 async def test_temperature0_fidelity_hybrid(hybrid: Rig, thinking: bool) -> None:
-    await _same_as_direct(hybrid, [SYSTEM, {"role": "user", "content": "Read a.py please."}],
-                          chat_template_kwargs={"enable_thinking": thinking})
+    await _same_as_direct(
+        hybrid,
+        [SYSTEM, {"role": "user", "content": "Read a.py please."}],
+        chat_template_kwargs={"enable_thinking": thinking},
+    )
 
 
 def echo(message: Any, client: str) -> dict[str, Any]:
@@ -174,8 +218,11 @@ def echo(message: Any, client: str) -> dict[str, Any]:
         out["reasoning"] = reasoning
     if message.tool_calls:
         out["tool_calls"] = [
-            {"id": c.id, "type": "function",
-             "function": {"name": c.function.name, "arguments": json.dumps(json.loads(c.function.arguments))}}
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": json.dumps(json.loads(c.function.arguments))},
+            }
             for c in message.tool_calls
         ]
     return out
@@ -193,8 +240,15 @@ async def test_agent_loop_is_append_only(hybrid: Rig, thinking: bool, client: st
         if turn == 0:
             extra["structured_outputs"] = {"choice": [forced]}
         resp = await hybrid.client.chat.completions.create(
-            model="x", messages=messages, tools=TOOLS, temperature=0, max_tokens=64 if turn == 0 else 8,
-            extra_headers=headers, extra_body=extra, stream=False)
+            model="x",
+            messages=messages,
+            tools=TOOLS,
+            temperature=0,
+            max_tokens=64 if turn == 0 else 8,
+            extra_headers=headers,
+            extra_body=extra,
+            stream=False,
+        )
         prompt, output = ids_of(resp)
         if previous is not None:
             assert prompt[: len(previous)] == previous, f"turn {turn} re-rendered the history"
@@ -202,18 +256,23 @@ async def test_agent_loop_is_append_only(hybrid: Rig, thinking: bool, client: st
         message = resp.choices[0].message
         if turn == 0:
             assert [json.loads(c.function.arguments) for c in message.tool_calls or []] == [
-                {"path": "a.py"}, {"path": "b.py"}]
+                {"path": "a.py"},
+                {"path": "b.py"},
+            ]
             assert resp.choices[0].finish_reason == "tool_calls"
         messages.append(echo(message, client))
         if message.tool_calls:
-            messages += [{"role": "tool", "tool_call_id": c.id, "content": f"# file {i}\nprint({i})"}
-                         for i, c in enumerate(message.tool_calls)]
+            messages += [
+                {"role": "tool", "tool_call_id": c.id, "content": f"# file {i}\nprint({i})"}
+                for i, c in enumerate(message.tool_calls)
+            ]
         else:
             messages.append({"role": "user", "content": f"Continue ({turn})."})
     async with httpx.AsyncClient() as c:
         metrics = (await c.get(hybrid.url + "/metrics", headers={"authorization": f"Bearer {KEY}"})).text
-    diverged = [line for line in metrics.splitlines()
-                if line.startswith("hyperharness_proxy_transcript_divergences_total{")]
+    diverged = [
+        line for line in metrics.splitlines() if line.startswith("hyperharness_proxy_transcript_divergences_total{")
+    ]
     assert diverged == []
 
 
@@ -223,8 +282,15 @@ async def test_streaming_agent_turns_splice(smol: Rig) -> None:
     previous: list[int] | None = None
     for turn in range(3):
         stream = await smol.client.chat.completions.create(
-            model="x", messages=messages, max_tokens=8, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_headers=headers, extra_body={"return_token_ids": True})
+            model="x",
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers=headers,
+            extra_body={"return_token_ids": True},
+        )
         chunks = [c async for c in stream]
         prompt = list((chunks[0].model_extra or {})["prompt_token_ids"])
         final = next(c for c in chunks if c.choices and c.choices[0].finish_reason)

@@ -27,21 +27,29 @@ def req(**kw):  # type: ignore[no-untyped-def]
 
 
 def test_stable_tool_definitions_and_key() -> None:
-    a = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object", "properties": {}}}}]
+    a = [
+        {
+            "type": "function",
+            "function": {"name": "f", "strict": True, "parameters": {"type": "object", "properties": {}}},
+        }
+    ]
     b = [{"function": {"parameters": {"properties": {}, "type": "object"}, "name": "f"}, "type": "function"}]
     assert "strict" not in stable_tool_definitions(a)[0]["function"]  # type: ignore[index]
     assert tools_key(stable_tool_definitions(a)) == tools_key(stable_tool_definitions(b))
     assert stable_tool_definitions([]) is None
 
 
-@pytest.mark.parametrize(("extra", "expected"), [
-    ({}, True),
-    ({"reasoning_effort": "none"}, False),
-    ({"reasoning_effort": "high"}, True),
-    ({"thinking": {"type": "disabled"}}, False),
-    ({"think": False}, False),
-    ({"chat_template_kwargs": {"enable_thinking": False}}, False),
-])
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({}, True),
+        ({"reasoning_effort": "none"}, False),
+        ({"reasoning_effort": "high"}, True),
+        ({"thinking": {"type": "disabled"}}, False),
+        ({"think": False}, False),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, False),
+    ],
+)
 def test_thinking_kwargs(extra, expected) -> None:  # type: ignore[no-untyped-def]
     assert thinking_kwargs(req(**extra), {"enable_thinking": True})["enable_thinking"] is expected
 
@@ -62,26 +70,43 @@ def test_cap_max_tokens() -> None:
 
 
 def test_normalize_pipeline() -> None:
-    b = body_of(messages=[{"role": "developer", "content": "s"}, {"role": "user", "content": "u"},
-                          {"role": "assistant", "content": "", "reasoning": "r",
-                           "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
-                max_completion_tokens=7, stream=True, stream_options={"include_usage": True})
+    b = body_of(
+        messages=[
+            {"role": "developer", "content": "s"},
+            {"role": "user", "content": "u"},
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning": "r",
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            },
+        ],
+        max_completion_tokens=7,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     n = normalize(parse_chat_request(b), b, {"enable_thinking": True})
     assert [m["role"] for m in n.messages] == ["developer", "user", "assistant"]  # as sent: the renderer maps
     assert n.messages[2]["reasoning"] == "r"
     assert (n.max_tokens, n.stream, n.include_usage) == (7, True, True)
 
 
-@pytest.mark.parametrize("body", [
-    {"messages": []},
-    {"messages": [{"role": "wizard", "content": "x"}]},
-    {"messages": [{"role": "user", "content": 3}]},
-    {"messages": "hi"},
-    {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": "str"}}]},
-    {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
-    {"messages": [{"role": "user", "content": "x"}], "n": 2},
-    {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": []},
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        {"messages": [{"role": "user", "content": 3}]},
+        {"messages": "hi"},
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": "str"}}],
+        },
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
+        {"messages": [{"role": "user", "content": "x"}], "n": 2},
+        {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+    ],
+)
 def test_bad_requests_are_400(body) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(InvalidRequest) as info:
         validate_messages(parse_chat_request(body).messages)

@@ -39,7 +39,10 @@ def test_echo_styles() -> None:
 async def test_replay_through_proxy_has_no_divergence(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     events = [
-        {"session": "a", "start": {"system": "sys", "user": "go", "client": "stripped", "headers": {"x-session-id": "a"}}},
+        {
+            "session": "a",
+            "start": {"system": "sys", "user": "go", "client": "stripped", "headers": {"x-session-id": "a"}},
+        },
         {"session": "a", "side": {"user": "title?"}},
         {"session": "a", "turn": {"tool_results": ["out"]}},
         {"session": "a", "turn": {"user": "more"}},

@@ -20,8 +20,16 @@ pytestmark = [pytest.mark.unit, pytest.mark.asyncio(loop_scope="session")]
 
 
 def snap(ids: list[int], parent: str | None = None) -> Snapshot:
-    return Snapshot(ids=array("I", ids), prompt_len=max(len(ids) - 1, 0), msg_keys=["a", "b"], msg_ends=[1, 2],
-                    reply_key="r", context="c", finish_reason="stop", parent_id=parent)
+    return Snapshot(
+        ids=array("I", ids),
+        prompt_len=max(len(ids) - 1, 0),
+        msg_keys=["a", "b"],
+        msg_ends=[1, 2],
+        reply_key="r",
+        context="c",
+        finish_reason="stop",
+        parent_id=parent,
+    )
 
 
 @pytest_asyncio.fixture(params=["memory", "redis"], loop_scope="session")

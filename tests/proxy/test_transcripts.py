@@ -20,8 +20,15 @@ CTX = context_key("[]", {"enable_thinking": True})
 
 
 def snapshot() -> Snapshot:
-    return Snapshot(ids=array("I", range(100)), prompt_len=60, msg_keys=[message_key(SYS), message_key(USER)],
-                    msg_ends=[20, 60], reply_key=message_key(REPLY), context=CTX, finish_reason="tool_calls")
+    return Snapshot(
+        ids=array("I", range(100)),
+        prompt_len=60,
+        msg_keys=[message_key(SYS), message_key(USER)],
+        msg_ends=[20, 60],
+        reply_key=message_key(REPLY),
+        context=CTX,
+        finish_reason="tool_calls",
+    )
 
 
 def test_splice_when_history_extends() -> None:
@@ -29,27 +36,42 @@ def test_splice_when_history_extends() -> None:
     assert m.reason is None and m.snapshot is not None and m.new_from == 3
 
 
-@pytest.mark.parametrize("variant", [
-    {"role": "assistant", "content": "Let me look.", "tool_calls": [CALL]},  # reasoning stripped
-    {"role": "assistant", "content": "Let me look.", "reasoning": "think", "tool_calls": [CALL]},  # renamed
-    {"role": "assistant", "content": "  Let me look.\n", "tool_calls": [CALL]},  # whitespace
-    {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}], "tool_calls": [CALL]},  # parts
-    {"role": "assistant", "content": "Let me look.", "tool_calls": [  # re-serialized arguments
-        {"id": "call_1", "type": "function", "function": {"name": "read", "arguments": '{"n":1,  "path":"a.py"}'}}]},
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [CALL]},  # reasoning stripped
+        {"role": "assistant", "content": "Let me look.", "reasoning": "think", "tool_calls": [CALL]},  # renamed
+        {"role": "assistant", "content": "  Let me look.\n", "tool_calls": [CALL]},  # whitespace
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}], "tool_calls": [CALL]},  # parts
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": [  # re-serialized arguments
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "read", "arguments": '{"n":1,  "path":"a.py"}'},
+                }
+            ],
+        },
+    ],
+)
 def test_tolerated_reply_variants(variant) -> None:  # type: ignore[no-untyped-def]
     m = match([snapshot()], [SYS, USER, variant, TOOL], CTX)
     assert m.reason is None, m
 
 
-@pytest.mark.parametrize(("messages", "reason"), [
-    ([SYS, {"role": "user", "content": "fix the other bug"}, REPLY, TOOL], "history_edited"),
-    ([SYS, USER, {**REPLY, "content": "Something else."}, TOOL], "reply_changed"),
-    ([SYS, USER, {"role": "user", "content": "hello?"}], "reply_missing"),
-    ([SYS, {"role": "user", "content": "summary of everything"}], "history_edited"),
-    ([SYS], "history_truncated"),
-    ([SYS, USER, REPLY], "no_new_messages"),
-])
+@pytest.mark.parametrize(
+    ("messages", "reason"),
+    [
+        ([SYS, {"role": "user", "content": "fix the other bug"}, REPLY, TOOL], "history_edited"),
+        ([SYS, USER, {**REPLY, "content": "Something else."}, TOOL], "reply_changed"),
+        ([SYS, USER, {"role": "user", "content": "hello?"}], "reply_missing"),
+        ([SYS, {"role": "user", "content": "summary of everything"}], "history_edited"),
+        ([SYS], "history_truncated"),
+        ([SYS, USER, REPLY], "no_new_messages"),
+    ],
+)
 def test_divergence_reasons(messages, reason) -> None:  # type: ignore[no-untyped-def]
     m = match([snapshot()], messages, CTX)
     assert m.reason == reason
