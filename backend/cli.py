@@ -97,3 +97,7 @@ def profiles_list() -> None:
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -138,7 +138,17 @@ async def run(p: ServePlan, run_dir: Path, health_timeout: float = 900.0) -> int
         proxy.start()
         with console.status("") as status:
             def tick(label):
-                return lambda s: status.update(f"{label} starting… {s:4.0f}s (logs: {logs})")
+                # A spinner on a terminal; a line every 10 s in a log or CI, where a spinner is invisible.
+                last = [-10.0]
+
+                def update(s: float) -> None:
+                    msg = f"{label} starting… {s:4.0f}s (logs: {logs})"
+                    if console.is_terminal:
+                        status.update(msg)
+                    elif s - last[0] >= 10:
+                        last[0] = s
+                        console.print(msg, markup=False)
+                return update
             await _until(stop, wait_healthy(f"http://127.0.0.1:{p.engine_port}/health", engine, health_timeout,
                                             tick("engine")))
             await _until(stop, wait_healthy(f"http://127.0.0.1:{p.proxy_port}/health", proxy, 60, tick("proxy")))
@@ -190,7 +200,7 @@ def _print_ready(p: ServePlan, seconds: float, logs: Path) -> None:
     else:
         out.print("API key:  none (listening on 127.0.0.1 only)")
         auth = ""
-    body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+    body = ('{"model": "%s", "temperature": 0, "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
             % p.profile.model.served_name)
     out.print("try:", markup=False)
     out.print(f"  curl -s {base}/chat/completions {auth}-H 'Content-Type: application/json' -d '{body}'",
