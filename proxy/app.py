@@ -22,6 +22,7 @@ from proxy.auth import BearerAuth
 from proxy.chat import ChatService
 from proxy.errors import InvalidRequest, NotFound, ProxyError, error_body
 from proxy.format import ChatFormat, load_format
+from proxy.harness_routes import chat_request, harness_router
 from proxy.metrics import Metrics
 from proxy.settings import Settings
 from proxy.store import SessionStore, make_store
@@ -165,12 +166,14 @@ def create_app(
         }
         return json_response({"object": "list", "data": [entry]})
 
+    app.include_router(harness_router())  # /v1/messages, /v1/files, probes: before the pass-through
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         if services.chat is None:
             return await relay(services, request, "/v1/chat/completions")
-        body = await read_json(request)
-        turn = await services.chat.prepare(body, request.headers)
+        body, headers = await chat_request(services, await read_json(request), request.headers)
+        turn = await services.chat.prepare(body, headers)
         if turn.plan.norm.stream:
             return StreamingResponse(turn.sse(), media_type="text/event-stream", headers=_SSE_HEADERS)
         return json_response(await turn.complete())
