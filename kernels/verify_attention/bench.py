@@ -245,10 +245,11 @@ HEADER = f"{'case':<40} {'us':>10} {'GB/s':>8} {'%copy':>7} {'vs vllm':>9} err"
 def sweep(pool: Int8KVCache, flush: torch.Tensor, bw: float, out: list) -> None:
     """Variants at 100K, batch 1: read windows on/off, launch parameters, combine alone."""
     variants: dict[int, list[dict]] = {
-        1: [{}, {"windowed": False}, {"block_n": 32, "num_stages": 3}],
-        8: [{}, {"windowed": False}, {"block_n": 32, "num_warps": 8, "num_stages": 3},
-            {"block_n": 64, "num_warps": 8, "num_stages": 3}],
-        16: [{}, {"windowed": False}],
+        1: [{}, {"block_n": 16, "num_stages": 3}, {"block_n": 32, "num_warps": 2},
+            {"block_n": 64, "num_warps": 4, "num_stages": 2}],
+        8: [{}, {"block_n": 16, "num_stages": 2}, {"block_n": 16, "num_warps": 8, "num_stages": 3},
+            {"block_n": 32, "num_stages": 2}],
+        16: [{}, {"block_n": 16, "num_stages": 2}],
     }  # fmt: skip
     for t, kws in variants.items():
         prob = Problem(pool, 1, 100_000, t, HQ)
@@ -268,9 +269,9 @@ def sweep(pool: Int8KVCache, flush: torch.Tensor, bw: float, out: list) -> None:
         o = torch.empty(n, HQ, D, device="cuda", dtype=torch.bfloat16)
 
         def combine() -> None:
-            va_triton.verify_attention_combine_kernel[(n, HQ)](
+            va_triton.verify_attention_combine_kernel[(n, HQ, D // 64)](
                 o, acc, ml, splits, o.stride(0), o.stride(1), D=D,
-                BLOCK_S=triton_next_pow2(splits), CHUNK_S=8, num_warps=4,
+                BLOCK_S=triton_next_pow2(splits), CHUNK_S=64, BLOCK_D=64, num_warps=4,
             )  # fmt: skip
 
         r = row(f"combine alone T={t} splits={splits}", time_graph(combine, flush),

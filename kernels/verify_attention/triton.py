@@ -241,10 +241,12 @@ def verify_attention_combine_kernel(
     stride_o_head,
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= num_splits: the (max, sum) pairs are read at once
-    CHUNK_S: tl.constexpr,  # splits per accumulator chunk ([CHUNK_S, D] fp32 stays in registers)
+    CHUNK_S: tl.constexpr,  # splits per accumulator chunk ([CHUNK_S, BLOCK_D] fp32 in registers)
+    BLOCK_D: tl.constexpr,  # output columns per program (grid axis 2: more programs in flight)
 ):
     i_t = tl.program_id(0).to(tl.int64)
     i_hq = tl.program_id(1)
+    i_d = tl.program_id(2)
     o_base = (i_t * tl.num_programs(1) + i_hq) * num_splits
     o_s = tl.arange(0, BLOCK_S)
     m_s = o_s < num_splits
@@ -253,9 +255,9 @@ def verify_attention_combine_kernel(
     m_max = tl.max(b_m, 0)
     b_w = tl.where(b_m > float("-inf"), tl.exp2(b_m - m_max), 0.0)
     denom = tl.sum(b_w * b_l, 0)
-    o_d = tl.arange(0, D)
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     o_c = tl.arange(0, CHUNK_S)
-    b_o = tl.zeros([D], dtype=tl.float32)
+    b_o = tl.zeros([BLOCK_D], dtype=tl.float32)
     for s0 in range(0, num_splits, CHUNK_S):
         m_c = (s0 + o_c) < num_splits
         c_m = tl.load(part_ml_ptr + (o_base + s0 + o_c) * 2, mask=m_c, other=float("-inf"))
@@ -352,8 +354,7 @@ def verify_attention_fwd(
         use_asm = q.is_cuda and not _interpreting()
 
     v_off = v.data_ptr() - k.data_ptr()
-    if windowed is None:
-        windowed = _windows_fit(k, v, head_size)
+    windowed = bool(windowed) and _windows_fit(k, v, head_size)
     split = num_splits > 1
     if split:
         part_acc = torch.empty(
@@ -382,9 +383,11 @@ def verify_attention_fwd(
         num_stages=num_stages or cfg["num_stages"],
     )  # fmt: skip
     if split:
-        verify_attention_combine_kernel[(num_tokens, num_q_heads)](
+        block_d = min(head_size, 64)
+        block_s = triton.next_power_of_2(num_splits)
+        verify_attention_combine_kernel[(num_tokens, num_q_heads, head_size // block_d)](
             out, part_acc, part_ml, num_splits, out.stride(0), out.stride(1),
-            D=head_size, BLOCK_S=triton.next_power_of_2(num_splits), CHUNK_S=8, num_warps=4,
+            D=head_size, BLOCK_S=block_s, CHUNK_S=min(block_s, 64), BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
     return out
 
