@@ -1,0 +1,82 @@
+"""Holding a client while its request waits for admission, without FastAPI.
+
+`hold(work, ...)` waits for the prepared turn (admission + upstream open) while watching the client:
+- a client that disconnects cancels the wait at once (the scheduler then drops it from the queue);
+- a streaming request still queued after `keepalive_after_s` is answered 200 right away with SSE
+  comment lines (`: queued`) every `keepalive_every_s`, so harness watchdogs that count the time to
+  the first byte do not fire; its body then continues with the real stream, or with an SSE error
+  event if the wait ends in a refusal (the status line is already sent by then).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from proxy.errors import ProxyError, error_body
+
+T = TypeVar("T")
+KEEPALIVE = b": queued for engine capacity\n\n"
+_POLL_S = 0.25  # how often the client connection is checked while queued
+
+
+class ClientGone(ProxyError):
+    """The client disconnected while its request was queued; nobody reads this answer."""
+
+    status = 499
+    type = "client_closed_request"
+
+
+@dataclass
+class Queued(Generic[T]):
+    """A streaming request still waiting: its body is keep-alives, then the real stream."""
+
+    work: asyncio.Task[T]
+    every_s: float
+
+    async def sse(self, stream: Callable[[T], AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                done, _ = await asyncio.wait({self.work}, timeout=self.every_s)
+                if done:
+                    break
+                yield KEEPALIVE
+            try:
+                turn = self.work.result()
+            except ProxyError as exc:
+                yield b"data: " + json.dumps(error_body(exc.message, exc.type, code=exc.code)).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                return
+            async for chunk in stream(turn):
+                yield chunk
+        finally:
+            # A client gone while queued: Starlette cancels this generator; take the request out too.
+            if not self.work.done():
+                self.work.cancel()
+
+
+async def hold(work: Awaitable[T], *, stream: bool, is_disconnected: Callable[[], Awaitable[bool]],
+               keepalive_after_s: float = 2.0, keepalive_every_s: float = 10.0) -> T | Queued[T]:
+    """The prepared result, or (streams only) a `Queued` to answer with while it keeps waiting.
+    Raises what `work` raises; cancels `work` and raises ClientGone if the client disconnects first."""
+    task: asyncio.Task[T] = asyncio.ensure_future(work)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + keepalive_after_s
+    try:
+        while True:
+            timeout = _POLL_S if not stream else max(0.0, min(_POLL_S, deadline - loop.time()))
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+            if done:
+                return task.result()
+            if await is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise ClientGone("client disconnected while queued")
+            if stream and loop.time() >= deadline:
+                return Queued(task, keepalive_every_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise

@@ -1,0 +1,136 @@
+"""What the engine's pool holds, in engine blocks: geometry from vLLM's `/metrics` and live gauges.
+
+Geometry comes from `vllm:cache_config_info` (a gauge fixed at 1 whose labels are the CacheConfig,
+vllm032.md §6): `num_gpu_blocks`, `block_size`, `mamba_cache_mode`, `prefix_match_unit`. For hybrid
+models every KV-cache group draws from the same block pool (vLLM's uniform-page grouping), so a seat
+costs `attention blocks × attention groups` plus `state slots × GDN groups`; the slot count per seat
+is backend/geometry.py's rule (2+k in align mode, 1+k otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from backend.geometry import ModelShape
+
+_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)')
+_LABEL = re.compile(r'(?P<key>[a-zA-Z_][a-zA-Z0-9_]*)="(?P<value>(?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """`name -> [(labels, value)]` for every sample line of a Prometheus text exposition."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        labels = {lm["key"]: lm["value"] for lm in _LABEL.finditer(m["labels"] or "")}
+        try:
+            value = float(m["value"])
+        except ValueError:
+            continue
+        out.setdefault(m["name"], []).append((labels, value))
+    return out
+
+
+def _int(labels: dict[str, str], key: str) -> int | None:
+    raw = labels.get(key)
+    if raw is None or raw in ("None", ""):
+        return None
+    try:
+        return int(float(raw))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolGeometry:
+    """The engine's block pool and what one seat costs in it beyond its tokens."""
+
+    num_blocks: int  # blocks in the shared pool (all groups)
+    block_size: int  # tokens per attention block
+    attn_groups: int = 1  # attention KV-cache groups: each token block is allocated once per group
+    state_blocks_per_seat: int = 0  # GDN state pages per running request, all GDN groups together
+    spec_tokens: int = 0  # lookahead slots vLLM allocates for speculative decoding
+    mamba_cache_mode: str = "none"
+    prefix_match_unit: int | None = None
+    prefix_caching: bool = True
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether a running request's prompt blocks can serve another's. Not counted on hybrid
+        models: a hit there needs a GDN state at the same boundary, so it may stop short of what
+        the attention blocks alone would share, and counting it would under-reserve."""
+        return self.prefix_caching and self.state_blocks_per_seat == 0
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_blocks * self.block_size // self.attn_groups
+
+    def token_blocks(self, tokens: int) -> int:
+        """Blocks for `tokens` of KV across all attention groups."""
+        return math.ceil(tokens / self.block_size) * self.attn_groups
+
+    @classmethod
+    def from_cache_config(cls, labels: dict[str, str], shape: ModelShape | None = None,
+                          spec_tokens: int = 0) -> PoolGeometry:
+        blocks = _int(labels, "num_gpu_blocks")
+        block = _int(labels, "block_size")
+        if not blocks or not block:
+            raise ValueError(f"cache_config_info has no num_gpu_blocks/block_size: {labels}")
+        mode = labels.get("mamba_cache_mode") or "none"
+        attn_groups, state = 1, 0
+        if shape is not None and shape.gdn_layers:
+            attn_groups, gdn_groups = kv_groups(shape.attn_layers, shape.gdn_layers)
+            align = mode == "align"
+            state = (2 + spec_tokens if align else 1 + spec_tokens) * gdn_groups
+        return cls(num_blocks=blocks, block_size=block, attn_groups=attn_groups, state_blocks_per_seat=state,
+                   spec_tokens=spec_tokens, mamba_cache_mode=mode,
+                   prefix_match_unit=_int(labels, "prefix_match_unit"),
+                   prefix_caching=labels.get("enable_prefix_caching", "True") == "True")
+
+
+def kv_groups(attn_layers: int, gdn_layers: int) -> tuple[int, int]:
+    """(attention groups, GDN groups) as vLLM 0.32 forms them for a uniform page size
+    (`_get_kv_cache_groups_uniform_page_size`): groups of `min` layers, or of `max` when the two
+    counts are within 1.5×, padded."""
+    lo, hi = min(attn_layers, gdn_layers), max(attn_layers, gdn_layers)
+    if lo == 0:  # one kind only: a single group of it
+        return int(attn_layers > 0), int(gdn_layers > 0)
+    size = hi if hi < lo * 1.5 else lo
+    return math.ceil(attn_layers / size), math.ceil(gdn_layers / size)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveGauges:
+    """The engine's own view, refreshed: for observability and for spotting load we did not admit."""
+
+    kv_usage: float = 0.0  # 0..1
+    running: int = 0
+    waiting: int = 0
+    preemptions: int = 0
+
+
+def read_metrics(text: str, shape: ModelShape | None = None,
+                 spec_tokens: int = 0) -> tuple[PoolGeometry | None, LiveGauges]:
+    samples = parse_prometheus(text)
+
+    def total(name: str) -> float:
+        return sum(v for _, v in samples.get(name, ()))
+
+    geom = None
+    info = samples.get("vllm:cache_config_info")
+    if info:
+        geom = PoolGeometry.from_cache_config(info[0][0], shape, spec_tokens)
+    usage = samples.get("vllm:kv_cache_usage_perc") or [({}, 0.0)]
+    live = LiveGauges(
+        kv_usage=max(v for _, v in usage),
+        running=int(total("vllm:num_requests_running")),
+        waiting=int(total("vllm:num_requests_waiting")),
+        preemptions=int(total("vllm:num_preemptions_total")),
+    )
+    return geom, live
