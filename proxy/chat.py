@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.admission import Admission, Footprint, NoAdmission, Ticket
+from proxy.admission import Admission, NoAdmission, Ticket
 from proxy.chat_output import (
     DONE,
     ArgumentsGate,
@@ -36,6 +36,7 @@ from proxy.idstext import IdsText
 from proxy.metrics import Metrics
 from proxy.normalize import NormalizedChat, cap_max_tokens, normalize, tools_key
 from proxy.protocol import parse_chat_request, validate_messages
+from proxy.scheduler.footprint import PromptFootprint
 from proxy.sessions import SessionIdentity, identify, priority
 from proxy.store import SessionStore
 from proxy.transcripts import Match, MessageKeys, Snapshot, common_prefix_len, context_key, match, message_key
@@ -93,12 +94,13 @@ class ChatService:
         started = time.perf_counter()
         plan = await self.plan(body, headers)
         self.metrics.render_seconds.observe(time.perf_counter() - started)
-        foot = Footprint(
+        foot = PromptFootprint(
             session=plan.session.key,
             prompt_tokens=len(plan.prompt),
             max_tokens=plan.max_tokens,
             reused_tokens=len(plan.parent.ids) if plan.parent else 0,
             priority=priority(headers),
+            prompt=plan.prompt,  # the scheduler counts a prefix shared by running requests once
         )
         ticket = await self.admission.acquire(foot)
         try:
@@ -275,7 +277,11 @@ class ChatTurn:
     async def _events(self, parser: OutputParser) -> AsyncIterator[list[Any]]:
         """Parser deltas per upstream event; records generated ids, finish reason and usage."""
         first = True
+        prefilled = getattr(self.ticket, "prefilled", None)  # the scheduler: this prompt is now computed
         async for event in self.stream.events():
+            if prefilled is not None:
+                prefilled()
+                prefilled = None
             if "error" in event and not event.get("choices"):
                 raise UpstreamError(f"engine error mid-stream: {event['error']}")
             if event.get("usage"):
