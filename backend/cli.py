@@ -12,6 +12,7 @@ from rich.table import Table
 from . import geometry
 from .models import REGISTRY, ModelPrepError, prepare_model
 from .patchtool import app as patches_app
+from harness_adapters.cli import app as adapters_app
 from .profiles import ProfileError, available_profiles, load_profile
 
 app = typer.Typer(help="HyperHarness: a patched vLLM behind a token-exact proxy for agent harnesses.",
@@ -21,6 +22,7 @@ profiles_app = typer.Typer(help="Launch profiles in configs/.", no_args_is_help=
 app.add_typer(models_app, name="models")
 app.add_typer(profiles_app, name="profiles")
 app.add_typer(patches_app, name="patches")
+app.add_typer(adapters_app, name="adapters")
 app.command("doctor")(__import__("backend.doctor", fromlist=["doctor"]).doctor)
 err = Console(stderr=True)
 
