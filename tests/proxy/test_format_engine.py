@@ -155,3 +155,20 @@ def test_hybrid_parse_equals_vllm_chat(hybrid_engine: Any, hybrid_format: ChatFo
         assert res.content == msg.get("content"), thinking
         theirs = [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls") or []]
         assert [(c.name, c.arguments) for c in res.tool_calls] == theirs
+
+
+def test_smol_parse_equals_vllm_chat(smol_engine: Any, smol_format: ChatFormat) -> None:
+    body = {
+        "model": smol_engine.model_name,
+        "messages": [{"role": "user", "content": "Write one sentence about Paris, with an accent: café."}],
+        "temperature": 0,
+        "max_tokens": 40,
+        "return_token_ids": True,
+    }
+    r = httpx.post(f"{smol_engine.base_url}/v1/chat/completions", json=body, timeout=300)
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    parser = smol_format.parser()
+    streamed = "".join(d.text for tid in choice["token_ids"] for d in parser.feed([tid]))
+    streamed += "".join(d.text for d in parser.finish())
+    assert parser.result().content == choice["message"]["content"] == streamed
