@@ -2,7 +2,8 @@
 
 Shape legend: B requests, T verify tokens this step (<= TL), TL log capacity in tokens, H key heads,
 HV value heads (multiple of H), K key dim, V value dim, S state-pool slots.
-State layout ``[S, HV, V, K]`` is vLLM 0.32.0's GDN pool layout.
+State layout ``[S, HV, K, V]`` (V contiguous, fla's default); ``state_vk=True`` reads and writes
+vLLM 0.32.0's pool layout ``[S, HV, V, K]`` instead (K-reductions then cross all 32 lanes: slower).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def fused_recurrent_gdn_verify(
     num_replay: torch.Tensor,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    state_vk: bool = False,
 ) -> torch.Tensor:
     """Lazy-commit verify step of the gated delta rule (Qwen3-Next / Qwen3.5 GDN layers).
 
@@ -73,7 +75,8 @@ def fused_recurrent_gdn_verify(
         v: [B, T, HV, V]; a, b: [B, T, HV] raw gate inputs (g = -exp(A_log)·softplus(a + dt_bias),
             beta = sigmoid(b)); k, v, a, b must share the log's dtype.
         A_log, dt_bias: [HV].
-        state: [S, HV, V, K] fp32/bf16/fp16 base states, updated in place.
+        state: [S, HV, K, V] fp32/bf16/fp16 base states, updated in place ([S, HV, V, K] with
+            ``state_vk=True``).
         state_indices: [B] int32/int64 slot per request; a negative slot skips the request (its
             outputs are left unwritten).
         log: [S, 2, TL, H*K + HV*V + 2*HV] from :func:`gdn_log_empty`, T <= TL.
@@ -83,6 +86,7 @@ def fused_recurrent_gdn_verify(
             ``num_accepted_tokens`` (accepted drafts + 1); 0 for a slot's first step.
         scale: query scale, default K ** -0.5.
         out: optional [B, T, HV, V] contiguous output.
+        state_vk: state stored [S, HV, V, K] (vLLM 0.32.0's pool layout).
 
     Returns:
         o: [B, T, HV, V] in q.dtype (or ``out``).
@@ -90,6 +94,7 @@ def fused_recurrent_gdn_verify(
     return gdn_verify_fwd(
         q, k, v, a, b, A_log, dt_bias, state, state_indices, num_k_heads=k.shape[2],
         log=log, log_parity=log_parity, num_replay=num_replay, scale=scale, out=out,
+        state_vk=state_vk,
     )
 
 
@@ -102,6 +107,7 @@ def fused_recurrent_gdn_commit(
     log_parity: torch.Tensor,
     num_replay: torch.Tensor,
     num_k_heads: int,
+    state_vk: bool = False,
 ) -> None:
     """Materialise the lazy state: fold ``num_replay[b]`` logged tokens into ``state`` in place.
 
@@ -112,6 +118,7 @@ def fused_recurrent_gdn_commit(
     gdn_verify_fwd(
         None, None, None, None, None, A_log, dt_bias, state, state_indices,
         num_k_heads=num_k_heads, log=log, log_parity=log_parity, num_replay=num_replay,
+        state_vk=state_vk,
     )
 
 
@@ -128,6 +135,7 @@ def fused_recurrent_gdn_verify_eager(
     token_indices: torch.Tensor,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    state_vk: bool = False,
 ) -> torch.Tensor:
     """Eager verify (vLLM's storing scheme, same arithmetic as the lazy kernel).
 
@@ -142,5 +150,5 @@ def fused_recurrent_gdn_verify_eager(
         raise ValueError(f"token_indices must be a contiguous {tuple(q.shape[:2])}, got {tuple(token_indices.shape)}")
     return gdn_verify_fwd(
         q, k, v, a, b, A_log, dt_bias, state, init_indices, num_k_heads=k.shape[2],
-        tok_idx=token_indices, scale=scale, out=out,
+        tok_idx=token_indices, scale=scale, out=out, state_vk=state_vk,
     )

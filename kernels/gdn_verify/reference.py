@@ -5,14 +5,14 @@ The Qwen3-Next / Qwen3.5 gated delta rule, one token at a time (all math in fp32
     g    = -exp(A_log) * softplus(a + dt_bias)        (softplus threshold 20, as vLLM)
     beta = sigmoid(b)
     q    = q * rsqrt(sum(q^2) + 1e-6) * scale,  k = k * rsqrt(sum(k^2) + 1e-6)
-    h    = h * exp(g)                                  h: [HV, V, K] per request
-    u    = (v - h @ k) * beta
-    h    = h + u k^T
-    o    = h @ q
+    h    = h * exp(g)                                  h: [HV, K, V] per request
+    u    = (v - k^T h) * beta
+    h    = h + k u^T
+    o    = q^T h
 
-Layout: the state of one request is ``[HV, V, K]`` (K contiguous), the layout of vLLM 0.32.0's
-GDN state pool (``mamba_utils.gated_delta_net_state_shape`` = (HV, V, K)); key head ``i_h`` serves
-value heads ``i_h * HV // H ... (i_h + 1) * HV // H - 1``.
+Layout: the state of one request is ``[HV, K, V]`` (V contiguous, fla's default).  vLLM 0.32.0's
+pool stores ``[HV, V, K]``; the Triton kernel reads either.  Key head ``i_h`` serves value heads
+``i_h * HV // H ... (i_h + 1) * HV // H - 1``.
 
 Two ways to make a verify step resumable from any accepted token:
 
@@ -56,11 +56,11 @@ def _expand_heads(x: torch.Tensor, hv: int) -> torch.Tensor:
 def naive_gdn_step(
     h: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor
 ) -> torch.Tensor:
-    """One delta-rule update. h: [HV, V, K] fp32; k: [HV, K] (normalised); v: [HV, V]; decay,
+    """One delta-rule update. h: [HV, K, V] fp32; k: [HV, K] (normalised); v: [HV, V]; decay,
     beta: [HV]. Returns the new h."""
     h = h * decay[:, None, None]
-    u = (v.float() - (h * k[:, None, :]).sum(-1)) * beta[:, None]
-    return h + u[:, :, None] * k[:, None, :]
+    u = (v.float() - (h * k[:, :, None]).sum(-2)) * beta[:, None]
+    return h + k[:, :, None] * u[:, None, :]
 
 
 def naive_recurrent_gdn_verify_eager(
@@ -77,8 +77,8 @@ def naive_recurrent_gdn_verify_eager(
     """Eager verify (vLLM's per-token state storing).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]; a, b: [B, T, HV]; A_log, dt_bias: [HV];
-    h0: [B, HV, V, K] start states (any float dtype).
-    Returns o: [B, T, HV, V] fp32 and states: [B, T, HV, V, K] in h0.dtype, states[:, t] being the
+    h0: [B, HV, K, V] start states (any float dtype).
+    Returns o: [B, T, HV, V] fp32 and states: [B, T, HV, K, V] in h0.dtype, states[:, t] being the
     state after token t, rounded to h0.dtype as a state pool stores it.
     """
     B, T, H, K = q.shape
@@ -93,7 +93,7 @@ def naive_recurrent_gdn_verify_eager(
         h = h0[i_b].float()
         for t in range(T):
             h = naive_gdn_step(h, kn[i_b, t], v[i_b, t], decay[i_b, t], beta[i_b, t])
-            o[i_b, t] = (h * qn[i_b, t][:, None, :]).sum(-1)
+            o[i_b, t] = (h * qn[i_b, t][:, :, None]).sum(-2)
             states[i_b, t] = h.to(h0.dtype)
     return o, states
 
@@ -113,9 +113,9 @@ def naive_recurrent_gdn_verify_lazy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lazy verify: replay ``num_replay[b]`` logged tokens onto the base, round, run the step.
 
-    base: [B, HV, V, K] (state dtype); log: the previous step's raw (k [B, TL, H, K],
+    base: [B, HV, K, V] (state dtype); log: the previous step's raw (k [B, TL, H, K],
     v [B, TL, HV, V], a [B, TL, HV], b [B, TL, HV]) or None; num_replay: [B] ints in [0, TL].
-    Returns o: [B, T, HV, V] fp32 and the new base [B, HV, V, K] in base.dtype (the next step's
+    Returns o: [B, T, HV, V] fp32 and the new base [B, HV, K, V] in base.dtype (the next step's
     log is simply this step's (k, v, a, b)).
     """
     HV = v.shape[2]

@@ -1,15 +1,15 @@
 """Triton Gated DeltaNet verify kernel with lazy state commit (and its eager twin).
 
-One program owns one (request, value head, V-tile): a ``[BV, K]`` slice of the state stays in
+One program owns one (request, value head, V-tile): a ``[K, BV]`` slice of the state stays in
 registers for the whole step.  Lazy mode reads the base state and the log of step n-1, replays the
 accepted tokens, rounds once to the state dtype (the eager path's store point), writes the base back
 when it changed, runs the T new tokens for their outputs, and writes the new log; per layer and
 request that is 1 state read + <= 1 state write instead of vLLM's 1 read + T writes.
 
 All token loops are unrolled (T and the log capacity TL are constexpr) and the replay is
-predicated rather than branched, so every load sits in one straight-line block that the compiler
-can hoist: the per-token global-load latency is paid once, not T times (vLLM's and fla's loops
-pay it per token).  Replay and new tokens go through the same ``_delta_step`` code, which is what
+predicated in groups of 4 tokens, so the loads of a group sit in one straight-line block that the
+compiler hoists: the global-load latency is paid once per group, not once per token (vLLM's and
+fla's loops pay it per token).  Replay and new tokens go through the same ``_delta_step`` code, which is what
 makes lazy and eager states bit-identical.
 
 The log is double buffered, ``log[slot, parity]``: step n reads half ``parity`` and writes half
@@ -26,10 +26,10 @@ import triton.language as tl
 
 
 
-def _default_config(batch: int) -> tuple[int, int]:
-    """(BV, num_warps). 1 warp and a narrow V tile keep the K reductions inside one warp and put
-    enough programs on the 132 SMs at batch 1 (fla uses BV=8, 1 warp for the same reason)."""
-    return (8, 1) if batch <= 2 else (16, 1)
+def _default_config(batch: int) -> tuple[int, ...]:
+    """(BV, num_warps[, maxnreg]).  One warp holding a [K, 8] tile: 16 lanes along K and 2 along V,
+    so a K reduction is 8 in-thread adds and 4 shuffle rounds, and no cross-warp traffic."""
+    return (8, 1)
 
 
 @triton.jit
@@ -54,9 +54,10 @@ def _l2norm(x):
 
 @triton.jit
 def _delta_step(b_h, b_k, b_v, decay, beta):
+    """b_h: [BK, BV] fp32 state tile; b_k: [BK] normalised key; b_v: [BV]; decay, beta: scalars."""
     b_h = b_h * decay
-    b_u = (b_v - tl.sum(b_h * b_k[None, :], 1)) * beta
-    return b_h + b_u[:, None] * b_k[None, :]
+    b_u = (b_v - tl.sum(b_h * b_k[:, None], 0)) * beta
+    return b_h + b_k[:, None] * b_u[None, :]
 
 
 @triton.jit
@@ -68,7 +69,7 @@ def gdn_verify_kernel(
     T: tl.constexpr, TL: tl.constexpr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
-    LAZY: tl.constexpr,
+    LAZY: tl.constexpr, STATE_VK: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -81,33 +82,43 @@ def gdn_verify_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
-    m_h = m_v[:, None] & m_k[None, :]
+    m_h = m_k[:, None] & m_v[None, :]
     neg_exp_A = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
     dt = tl.load(dt_bias + i_hv).to(tl.float32)
 
-    p_h = state + slot * s_state + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+    # The tile is [BK, BV] either way; with V contiguous ([K, V], the default) the K reductions
+    # stay mostly inside each thread, with K contiguous (vLLM's [V, K]) they cross 32 lanes.
+    if STATE_VK:
+        o_s = i_hv * K * V + o_v[None, :] * K + o_k[:, None]
+    else:
+        o_s = i_hv * K * V + o_k[:, None] * V + o_v[None, :]
+    p_h = state + slot * s_state + o_s
     b_h = tl.load(p_h, mask=m_h, other=0).to(tl.float32)
 
     LR: tl.constexpr = H * K + HV * V + 2 * HV  # log row: k | v | a | b
+    RG: tl.constexpr = 4  # replay tokens per branch: loads hoist within a group; <= 3 wasted steps
     if LAZY:
         par = tl.load(log_parity).to(tl.int64)
         p_lin = log + (slot * 2 + par) * TL * LR
         p_lout = log + (slot * 2 + 1 - par) * TL * LR
         r = tl.load(num_replay + i_b)
-        if r > 0:
-            for i in tl.static_range(TL):
-                m_i = i < r
-                p_row = p_lin + i * LR
-                l_k = tl.load(p_row + i_h * K + o_k, mask=_and(m_k, m_i), other=0).to(tl.float32)
-                l_v = tl.load(p_row + H * K + i_hv * V + o_v, mask=_and(m_v, m_i), other=0).to(tl.float32)
-                l_a = tl.load(p_row + H * K + HV * V + i_hv, mask=m_i, other=0)
-                l_b = tl.load(p_row + H * K + HV * V + HV + i_hv, mask=m_i, other=0)
-                decay, beta = _gates(l_a, l_b, neg_exp_A, dt)
-                b_hn = _delta_step(b_h, _l2norm(l_k), l_v, decay, beta)
-                b_h = tl.where(m_i, b_hn, b_h)
-            # The eager path rounds here (its stored state of the last accepted token).
-            b_h = b_h.to(state.dtype.element_ty).to(tl.float32)
-            tl.store(p_h, b_h.to(state.dtype.element_ty), mask=m_h)
+        for g in tl.static_range(0, TL, RG):
+            if r > g:
+                for j in tl.static_range(RG):
+                    if g + j < TL:
+                        m_i = g + j < r
+                        p_row = p_lin + (g + j) * LR
+                        l_k = tl.load(p_row + i_h * K + o_k, mask=_and(m_k, m_i), other=0)
+                        l_v = tl.load(p_row + H * K + i_hv * V + o_v, mask=_and(m_v, m_i), other=0)
+                        l_a = tl.load(p_row + H * K + HV * V + i_hv, mask=m_i, other=0)
+                        l_b = tl.load(p_row + H * K + HV * V + HV + i_hv, mask=m_i, other=0)
+                        decay, beta = _gates(l_a, l_b, neg_exp_A, dt)
+                        b_hn = _delta_step(b_h, _l2norm(l_k.to(tl.float32)), l_v.to(tl.float32), decay, beta)
+                        b_h = tl.where(m_i, b_hn, b_h)
+        # The eager path rounds here (its stored state of the last accepted token); idempotent
+        # when nothing was replayed.
+        b_h = b_h.to(state.dtype.element_ty).to(tl.float32)
+        tl.store(p_h, b_h.to(state.dtype.element_ty), mask=_and(m_h, r > 0))
         # k rows are shared by HV // H value heads and all V tiles: one program writes each.
         m_wk = _and(m_k, (i_v == 0) & (i_hv % (HV // H) == 0))
         m_wab = i_v == 0
@@ -121,7 +132,7 @@ def gdn_verify_kernel(
         b_q = _l2norm(tl.load(q + p_qk, mask=m_k, other=0).to(tl.float32)) * scale
         decay, beta = _gates(r_a, r_b, neg_exp_A, dt)
         b_h = _delta_step(b_h, _l2norm(r_k.to(tl.float32)), r_v.to(tl.float32), decay, beta)
-        b_o = tl.sum(b_h * b_q[None, :], 1)
+        b_o = tl.sum(b_h * b_q[:, None], 0)
         tl.store(o + ((i_b * T + t) * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if LAZY:
             p_row = p_lout + t * LR
@@ -131,8 +142,7 @@ def gdn_verify_kernel(
             tl.store(p_row + H * K + HV * V + HV + i_hv, r_b, mask=m_wab)
         else:
             i_s = tl.load(tok_idx + i_b * T + t).to(tl.int64)
-            p_s = state + i_s * s_state + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
-            tl.store(p_s, b_h.to(state.dtype.element_ty), mask=_and(m_h, i_s >= 0))
+            tl.store(state + i_s * s_state + o_s, b_h.to(state.dtype.element_ty), mask=_and(m_h, i_s >= 0))
 
 
 def _row_strides(x: torch.Tensor, name: str, inner: int) -> tuple[int, int]:
@@ -170,18 +180,22 @@ def gdn_verify_fwd(
     num_replay: torch.Tensor | None = None,
     scale: float | None = None,
     out: torch.Tensor | None = None,
-    config: tuple[int, int] | None = None,
+    state_vk: bool = False,
+    config: tuple[int, ...] | None = None,
 ) -> torch.Tensor | None:
     """Launcher shared by the lazy, eager and commit-only entry points (see __init__)."""
     lazy = log is not None
-    _, HV, V, K = state.shape
+    if state_vk:
+        _, HV, V, K = state.shape
+    else:
+        _, HV, K, V = state.shape
     H = num_k_heads
     B = init_idx.shape[0]
     T = 0 if q is None else q.shape[1]
     if HV % H:
         raise ValueError(f"value heads {HV} not a multiple of key heads {H}")
-    if state.stride()[1:] != (V * K, K, 1):
-        raise ValueError(f"state [slots, HV, V, K] must be dense per slot, strides {state.stride()}")
+    if state.stride()[1:] != (V * K, state.shape[3], 1):
+        raise ValueError(f"state must be dense per slot, shape {tuple(state.shape)} strides {state.stride()}")
     if lazy:
         TL = log.shape[2]
         if log.shape[1] != 2 or log.shape[3] != H * K + HV * V + 2 * HV or not log.is_contiguous():
@@ -212,7 +226,8 @@ def gdn_verify_fwd(
             a, b = a.contiguous(), b.contiguous()
             a, *sab = _dense(a, "a", 1)
         o = out if out is not None else torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
-    BV, num_warps = config if config is not None else _default_config(B)
+    BV, num_warps, *maxnreg = config if config is not None else _default_config(B)
+    extra = {"maxnreg": maxnreg[0]} if maxnreg else {}
     BV = min(BV, triton.next_power_of_2(V))
     grid = (triton.cdiv(V, BV), B * HV)
     gdn_verify_kernel[grid](
@@ -223,7 +238,7 @@ def gdn_verify_fwd(
         K**-0.5 if scale is None else scale,
         sqk[0], sqk[1], sv[0], sv[1], sab[0], sab[1], state.stride(0),
         T=T, TL=TL, H=H, HV=HV, K=K, V=V,
-        BK=triton.next_power_of_2(K), BV=BV, LAZY=lazy,
-        num_warps=num_warps, num_stages=1,
+        BK=triton.next_power_of_2(K), BV=BV, LAZY=lazy, STATE_VK=state_vk,
+        num_warps=num_warps, num_stages=1, **extra,
     )
     return o if T else None

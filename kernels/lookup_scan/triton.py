@@ -19,10 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-# Positions per program iteration: 1024 keeps 8 positions per thread at 4 warps.
-BLOCK = 1024
-# Upper bound on programs per request (2 per SM on a 132-SM H200 at batch 1).
-MAX_PROGRAMS = 264
+# Positions per program iteration (4 per thread at 4 warps) and programs per batch: tuned on the
+# H200 (kernels/lookup_scan/bench.py --sweep); the grid is sized by the history capacity, not the
+# current length, so it can be captured in a CUDA graph.
+BLOCK = 512
+PROGRAMS_PER_BATCH = 1024
 
 
 @triton.jit
@@ -97,7 +98,7 @@ def lookup_scan_fwd(
         torch.empty(B, num_draft, dtype=torch.int64, device=dev),
         torch.empty(B, dtype=torch.int32, device=dev),
     )
-    P = programs_per_request or max(1, min(triton.cdiv(token_ids.shape[1], block), MAX_PROGRAMS))
+    P = programs_per_request or max(1, min(triton.cdiv(token_ids.shape[1], block), max(32, PROGRAMS_PER_BATCH // B)))
     lookup_scan_kernel[(P, B)](
         token_ids, token_ids.stride(0), req_indices if req_indices is not None else seq_lens, seq_lens,
         drafts, num_valid, workspace, P, B,

@@ -67,8 +67,8 @@ CASES = [
 @pytest.mark.parametrize("B,T,H,HV,K,V,sdtype", CASES)
 def test_eager_matches_reference(B, T, H, HV, K, V, sdtype):
     x = make_inputs(B, T, H, HV, K, V, seed=1)
-    h0 = torch.randn(B, HV, V, K).mul(0.3).to(sdtype).to(DEVICE)
-    pool = torch.full((1 + B * (T + 1), HV, V, K), float("nan"), dtype=sdtype, device=DEVICE)
+    h0 = torch.randn(B, HV, K, V).mul(0.3).to(sdtype).to(DEVICE)
+    pool = torch.full((1 + B * (T + 1), HV, K, V), float("nan"), dtype=sdtype, device=DEVICE)
     init = torch.arange(B, device=DEVICE) * (T + 1) + 1
     pool[init] = h0
     tok = (init[:, None] + 1 + torch.arange(T, device=DEVICE)).to(torch.int32).contiguous()
@@ -114,10 +114,10 @@ class EagerRunner:
 def test_lazy_bit_identical_to_eager(sdtype):
     B, T, H, HV, K, V = 3, 4, 2, 4, 16, 12
     steps = [[0, 4, 2], [4, 1, 0], [3, 4, 4], [0, 0, 1]]  # accepted after each step
-    h0 = torch.randn(B, HV, V, K).mul(0.3).to(sdtype).to(DEVICE)
+    h0 = torch.randn(B, HV, K, V).mul(0.3).to(sdtype).to(DEVICE)
     eager = EagerRunner(h0, T)
     slots = torch.tensor([2, 0, 5], dtype=torch.int32, device=DEVICE)
-    lazy_pool = torch.full((6, HV, V, K), float("nan"), dtype=sdtype, device=DEVICE)
+    lazy_pool = torch.full((6, HV, K, V), float("nan"), dtype=sdtype, device=DEVICE)
     lazy_pool[slots.long()] = h0
     log = gdn_log_empty(6, T, H, K, HV, V, torch.bfloat16, DEVICE).fill_(float("nan"))
     parity = torch.zeros(1, dtype=torch.int32, device=DEVICE)
@@ -143,7 +143,7 @@ def test_lazy_matches_reference(sdtype):
     B, T, H, HV, K, V = 3, 3, 1, 2, 24, 20
     prev = make_inputs(B, T, H, HV, K, V, seed=7)
     x = make_inputs(B, T, H, HV, K, V, seed=8)
-    base = torch.randn(B, HV, V, K).mul(0.3).to(sdtype).to(DEVICE)
+    base = torch.randn(B, HV, K, V).mul(0.3).to(sdtype).to(DEVICE)
     pool = base.clone()
     slots = torch.arange(B, dtype=torch.int32, device=DEVICE)
     log = gdn_log_empty(B, T, H, K, HV, V, torch.bfloat16, DEVICE).fill_(float("nan"))
@@ -161,11 +161,33 @@ def test_lazy_matches_reference(sdtype):
     assert rel_err(pool, base_ref) < TOL[sdtype]
 
 
+def test_vllm_state_layout():
+    """state_vk=True: the same step on vLLM's [S, HV, V, K] pool layout."""
+    B, T, H, HV, K, V = 2, 3, 1, 2, 16, 12
+    prev = make_inputs(B, T, H, HV, K, V, seed=11)
+    x = make_inputs(B, T, H, HV, K, V, seed=12)
+    res = []
+    base = torch.randn(B, HV, K, V).mul(0.3).to(DEVICE)
+    for vk in (False, True):
+        pool = base.transpose(-1, -2).contiguous() if vk else base.clone()
+        slots = torch.arange(B, dtype=torch.int32, device=DEVICE)
+        log = gdn_log_empty(B, T, H, K, HV, V, torch.bfloat16, DEVICE).fill_(float("nan"))
+        par = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        kw = dict(state=pool, state_indices=slots, log=log, log_parity=par, state_vk=vk)
+        fused_recurrent_gdn_verify(**prev, **kw, num_replay=torch.zeros(B, dtype=torch.int32, device=DEVICE))
+        par ^= 1
+        o = fused_recurrent_gdn_verify(**x, **kw, num_replay=torch.tensor([3, 1], dtype=torch.int32, device=DEVICE),
+                                       out=nan_out(B, T, HV, V))
+        res.append((o, pool.transpose(-1, -2) if vk else pool))
+    assert rel_err(res[1][0], res[0][0]) < TOL[torch.float32]
+    assert rel_err(res[1][1], res[0][1]) < TOL[torch.float32]
+
+
 def test_reference_lazy_equals_reference_eager():
     B, T, H, HV, K, V = 2, 3, 1, 2, 8, 8
     prev = make_inputs(B, T, H, HV, K, V, seed=3, device="cpu")
     x = make_inputs(B, T, H, HV, K, V, seed=4, device="cpu")
-    h0 = torch.randn(B, HV, V, K).to(torch.bfloat16)
+    h0 = torch.randn(B, HV, K, V).to(torch.bfloat16)
     _, s_prev = naive_recurrent_gdn_verify_eager(**prev, h0=h0)
     replay = torch.tensor([2, 3])
     start = torch.stack([s_prev[i, r - 1] for i, r in enumerate(replay.tolist())])
@@ -179,7 +201,7 @@ def test_reference_lazy_equals_reference_eager():
 def test_negative_slot_is_skipped():
     B, T, H, HV, K, V = 2, 2, 1, 2, 8, 8
     x = make_inputs(B, T, H, HV, K, V, seed=5)
-    pool = torch.randn(3, HV, V, K, device=DEVICE)
+    pool = torch.randn(3, HV, K, V, device=DEVICE)
     before = pool.clone()
     log = gdn_log_empty(3, T, H, K, HV, V, torch.bfloat16, DEVICE).fill_(float("nan"))
     o = fused_recurrent_gdn_verify(
@@ -196,10 +218,10 @@ def test_negative_slot_is_skipped():
 @pytest.mark.parametrize("B", [1, 4, 8])
 def test_real_shapes_gpu(B, sdtype):
     T, H, HV, K, V = 8, 16, 48, 128, 128
-    h0 = torch.randn(B, HV, V, K, device=DEVICE).mul(0.05).to(sdtype)
+    h0 = torch.randn(B, HV, K, V, device=DEVICE).mul(0.05).to(sdtype)
     eager = EagerRunner(h0, T)
     slots = torch.arange(B, dtype=torch.int32, device=DEVICE) + 1
-    pool = torch.full((B + 1, HV, V, K), float("nan"), dtype=sdtype, device=DEVICE)
+    pool = torch.full((B + 1, HV, K, V), float("nan"), dtype=sdtype, device=DEVICE)
     pool[slots.long()] = h0
     log = gdn_log_empty(B + 1, T, H, K, HV, V, torch.bfloat16, DEVICE).fill_(float("nan"))
     parity = torch.zeros(1, dtype=torch.int32, device=DEVICE)
