@@ -8,7 +8,8 @@ own chat endpoint). Each mode gets its own nonce at the start of every system pr
 share cached blocks.
 
 Trace format (JSONL, one event per line; see proxy/traces/*.jsonl):
-    {"session": S, "start": {"system", "tools", "user", "thinking", "client", "headers", "max_tokens", "force"}}
+    {"session": S, "start": {"system", "tools", "user", "thinking", "think_end_id", "client", "headers",
+                             "max_tokens", "force"}}
     {"session": S, "turn": {"user"?, "tool_results"?, "force"?, "max_tokens"?}}
     {"session": S, "compact": {"summary", "max_tokens"?}}   history replaced: [system, user(summary)]
     {"session": S, "side": {"user", "max_tokens"?}}         a one-off request on the same session
@@ -183,7 +184,11 @@ class Replayer:
         if spec.get("tools"):
             payload["tools"] = spec["tools"]
         force = body.get("force")
-        if force:
+        if force and spec.get("thinking", True) and spec.get("think_end_id") is not None:
+            # Engines with a reasoning parser apply the grammar only after reasoning: end it at once.
+            payload["structured_outputs"] = {"choice": ["\n\n" + force]}
+            payload["logit_bias"] = {str(spec["think_end_id"]): 100}
+        elif force:
             payload["structured_outputs"] = {"choice": [force]}
         # Harness session headers get the mode's nonce so modes never share a transcript; sessions
         # without one are told apart by the proxy's fingerprint (the system prompt carries the nonce).

@@ -44,11 +44,20 @@ TOOLS = [
     }
 ]
 SYSTEM = {"role": "system", "content": "You are a careful coding agent. Answer briefly."}
-# Two parallel calls, forced with vLLM's structured outputs (the tiny hybrid has random weights).
+# Two parallel calls, forced with vLLM's structured outputs (the tiny hybrid has random weights). The
+# engine runs a reasoning parser, so the grammar only applies once reasoning has ended: with thinking
+# on, a logit bias on `</think>` ends it at the first token ("\n\n" then follows, as the template has).
 CALLS = "".join(
     f"<tool_call>\n<function=read>\n<parameter=path>\n{p}\n</parameter>\n</function>\n</tool_call>" + sep
     for p, sep in (("a.py", "\n"), ("b.py", ""))
 )
+THINK_END_ID = 248069  # `</think>` in the Qwen3.6 vocabulary
+
+
+def forced_tool_calls(thinking: bool) -> dict[str, Any]:
+    if thinking:
+        return {"structured_outputs": {"choice": ["\n\n" + CALLS]}, "logit_bias": {str(THINK_END_ID): 100}}
+    return {"structured_outputs": {"choice": [CALLS]}}
 
 
 @dataclass
@@ -233,18 +242,17 @@ def echo(message: Any, client: str) -> dict[str, Any]:
 async def test_agent_loop_is_append_only(hybrid: Rig, thinking: bool, client: str) -> None:
     headers = session()
     messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "Read a.py and b.py, then summarize."}]
-    forced = ("Reading both.\n</think>\n\n" if thinking else "") + CALLS
     previous: list[int] | None = None
     for turn in range(3):
         extra: dict[str, Any] = {"return_token_ids": True, "chat_template_kwargs": {"enable_thinking": thinking}}
         if turn == 0:
-            extra["structured_outputs"] = {"choice": [forced]}
+            extra |= forced_tool_calls(thinking)
         resp = await hybrid.client.chat.completions.create(
             model="x",
             messages=messages,
             tools=TOOLS,
             temperature=0,
-            max_tokens=64 if turn == 0 else 8,
+            max_tokens=160 if turn == 0 else 8,
             extra_headers=headers,
             extra_body=extra,
             stream=False,
