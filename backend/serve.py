@@ -188,7 +188,7 @@ async def _until(stop: asyncio.Event, coro) -> None:
 
 
 def _print_ready(p: ServePlan, seconds: float, logs: Path) -> None:
-    out = Console()
+    out = Console(soft_wrap=True)  # never wrap a path or a URL mid-way
     shown = "127.0.0.1" if p.proxy_host in ("0.0.0.0", "::") else p.proxy_host
     base = f"http://{shown}:{p.proxy_port}/v1"
     out.print(f"[bold green]ready[/] in {seconds:.1f}s — model [bold]{p.profile.model.served_name}[/]")
