@@ -24,6 +24,7 @@ from proxy.errors import InvalidRequest, NotFound, ProxyError, error_body
 from proxy.format import ChatFormat, load_format
 from proxy.harness_routes import chat_request, harness_router
 from proxy.metrics import Metrics
+from proxy.scheduler import Queued, Scheduler, hold, open_scheduler
 from proxy.settings import Settings
 from proxy.store import SessionStore, make_store
 from proxy.upstream import Upstream, forward_headers
@@ -55,7 +56,9 @@ def json_response(data: Any, status: int = 200) -> Response:
 
 
 def error_response(exc: ProxyError) -> Response:
-    return json_response(exc.body(), exc.status)
+    resp = json_response(exc.body(), exc.status)
+    resp.headers.update(getattr(exc, "headers", None) or {})  # Retry-After on 429/503 from admission
+    return resp
 
 
 async def read_json(request: Request) -> dict[str, Any]:
@@ -105,14 +108,18 @@ def create_app(
                 per_session=settings.snapshots_per_session,
                 path=str(settings.store_file) if settings.store_file else None,
             )
+        scheduler: Scheduler | None = None
         if chat_format is not None and services.upstream is not None and services.store is not None:
+            if admission is None:  # default: admit by the engine's KV pool geometry (proxy/scheduler)
+                scheduler = open_scheduler(services.upstream.get_text, metrics.registry, settings.model_dir)
+                await scheduler.start()
             services.chat = ChatService(
                 fmt=chat_format,
                 upstream=services.upstream,
                 store=services.store,
                 metrics=metrics,
                 model_name=settings.model_name,
-                admission=admission,
+                admission=admission or scheduler,
                 warmup=settings.warmup,
             )
         try:
@@ -120,6 +127,8 @@ def create_app(
         finally:
             if services.chat is not None:
                 await services.chat.close()
+            if scheduler is not None:
+                await scheduler.close()
             if owns_store and services.store is not None:
                 await services.store.close()
             if owns_upstream and services.upstream is not None:
@@ -173,7 +182,12 @@ def create_app(
         if services.chat is None:
             return await relay(services, request, "/v1/chat/completions")
         body, headers = await chat_request(services, await read_json(request), request.headers)
-        turn = await services.chat.prepare(body, headers)
+        held = await hold(services.chat.prepare(body, headers), stream=body.get("stream") is True,
+                          is_disconnected=request.is_disconnected, admission=services.chat.admission)
+        if isinstance(held, Queued):  # still waiting for engine capacity: SSE comments until admitted
+            body_iter = held.sse(lambda t: t.sse())
+            return StreamingResponse(body_iter, media_type="text/event-stream", headers=_SSE_HEADERS)
+        turn = held
         if turn.plan.norm.stream:
             return StreamingResponse(turn.sse(), media_type="text/event-stream", headers=_SSE_HEADERS)
         return json_response(await turn.complete())

@@ -18,6 +18,8 @@ from typing import Generic, TypeVar
 
 from proxy.errors import ProxyError, error_body
 
+from .scheduler import SchedulerConfig
+
 T = TypeVar("T")
 KEEPALIVE = b": queued for engine capacity\n\n"
 _POLL_S = 0.25  # how often the client connection is checked while queued
@@ -59,9 +61,14 @@ class Queued(Generic[T]):
 
 
 async def hold(work: Awaitable[T], *, stream: bool, is_disconnected: Callable[[], Awaitable[bool]],
-               keepalive_after_s: float = 2.0, keepalive_every_s: float = 10.0) -> T | Queued[T]:
+               admission: object = None) -> T | Queued[T]:
     """The prepared result, or (streams only) a `Queued` to answer with while it keeps waiting.
-    Raises what `work` raises; cancels `work` and raises ClientGone if the client disconnects first."""
+    Raises what `work` raises; cancels `work` and raises ClientGone if the client disconnects first.
+    Keep-alive timing comes from the admission's SchedulerConfig when it has one."""
+    config = getattr(admission, "config", None)
+    if not isinstance(config, SchedulerConfig):
+        config = SchedulerConfig()
+    keepalive_after_s, keepalive_every_s = config.keepalive_after_s, config.keepalive_every_s
     task: asyncio.Task[T] = asyncio.ensure_future(work)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + keepalive_after_s
