@@ -16,6 +16,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import httpx
 import typer
@@ -195,10 +196,12 @@ def check_live(url: str, key: str | None, model_dir: Path | None, served_name: s
             yield Check("live tokenize", FAIL, f"/tokenize {resp.status_code}: {resp.text[:200]}")
             return
         got = resp.json()["tokens"]
-        first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-        same = got == expected
-        yield Check("live tokenize", OK if same else FAIL,
-                    f"{len(got)} ids agree" if same else f"differ at id {first} (engine {len(got)}, renderer {len(expected)})")
+        if got == expected:
+            yield Check("live tokenize", OK, f"{len(got)} ids agree with the proxy's renderer")
+            return
+        pairs = zip(got, expected, strict=False)
+        first = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(got), len(expected)))
+        yield Check("live tokenize", FAIL, f"differ at id {first} (engine {len(got)}, renderer {len(expected)})")
 
 
 def run(checks: list[Callable[[], Checks]]) -> list[Check]:
@@ -211,9 +214,9 @@ def run(checks: list[Callable[[], Checks]]) -> list[Check]:
 
 
 def doctor(
-    profile: str | None = typer.Option(None, "--profile", help="profile name from configs/"),
-    live: str | None = typer.Option(None, "--live", help="engine or proxy base URL to probe"),
-    key_file: Path | None = typer.Option(None, "--key-file", help="file holding the API key"),
+    profile: Annotated[str | None, typer.Option("--profile", help="profile name from configs/")] = None,
+    live: Annotated[str | None, typer.Option("--live", help="engine or proxy base URL to probe")] = None,
+    key_file: Annotated[Path | None, typer.Option("--key-file", help="file holding the API key")] = None,
 ) -> None:
     """Check the engine install (version, patch series, plugin), a profile's model, and a live server."""
     key = os.environ.get("HYPERHARNESS_API_KEY") or os.environ.get("VLLM_API_KEY")

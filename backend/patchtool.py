@@ -25,7 +25,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-
 from dataclasses import dataclass
 from pathlib import Path
 

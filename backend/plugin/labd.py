@@ -37,7 +37,8 @@ def fuse_lookup_drafts(
         from_lookup: [B, k] bool, positions that need a point-mass q.
     """
     if draft_tokens.shape != lookup_tokens.shape or draft_tokens.dim() != 2:
-        raise ValueError(f"draft {tuple(draft_tokens.shape)} and lookup {tuple(lookup_tokens.shape)} must both be [B, k]")
+        shapes = f"draft {tuple(draft_tokens.shape)} and lookup {tuple(lookup_tokens.shape)}"
+        raise ValueError(f"{shapes} must both be [B, k]")
     k = draft_tokens.shape[1]
     if not 0 <= agree <= k:
         raise ValueError(f"agree must be in [0, {k}], got {agree}")

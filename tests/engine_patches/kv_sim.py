@@ -9,15 +9,18 @@ previously seen tokens a follow-up turn must re-prefill.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 from types import SimpleNamespace
 
+import torch
 from vllm.sampling_params import SamplingParams
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import (
+    KVCacheBlock,
+    get_request_block_hasher,
+    init_none_hash,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,

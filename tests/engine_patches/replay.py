@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             result["warmup_reprefilled"] = warm.reprefilled
             result["warmup_prefilled"] = warm.warmup_prefilled
         if args.check_outputs:
-            cold = [eng.complete(p, len(r), skip_cache=True) for p, r in zip(plain.prompts, plain.replies)]
+            cold = [eng.complete(p, len(r), skip_cache=True) for p, r in zip(plain.prompts, plain.replies, strict=True)]
             result["outputs_match_cold"] = cold == plain.replies
     print(json.dumps(result))
 

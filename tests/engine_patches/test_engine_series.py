@@ -85,5 +85,5 @@ def test_resumed_state_is_lossless(patched: Engine) -> None:
     # Replies computed from end-of-turn snapshots equal cold recomputes (prompt logprobs make
     # vLLM skip prefix-cache reads).
     run = agent_replay(patched, seed=11, turns=3, first=300, reply=40, new=50)
-    cold = [patched.complete(p, len(r), skip_cache=True) for p, r in zip(run.prompts, run.replies)]
+    cold = [patched.complete(p, len(r), skip_cache=True) for p, r in zip(run.prompts, run.replies, strict=True)]
     assert cold == run.replies

@@ -85,7 +85,9 @@ def test_mismatch_refuses_without_touching_files(pristine: Path, series: Series)
     target = pristine / "vllm/v1/core/single_type_kv_cache_manager.py"
     text = target.read_text()
     # Edit a line inside a hunk's context: neither the pristine nor the patched text fits.
-    edited = text.replace("class SlidingWindowManager(SingleTypeKVCacheManager):", "class SlidingWindowManager(object):")
+    edited = text.replace(
+        "class SlidingWindowManager(SingleTypeKVCacheManager):", "class SlidingWindowManager(object):"
+    )
     assert edited != text
     target.write_text(edited)
     before = _snapshot(pristine)
@@ -116,7 +118,9 @@ def test_wrong_version_is_refused(pristine: Path) -> None:
     assert code == patchtool.EXIT_VERSION and "pinned to 0.32.0" in out
 
 
-def test_edited_series_replaces_the_recorded_version(pristine: Path, series: Series, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_edited_series_replaces_the_recorded_version(
+    pristine: Path, series: Series, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     patches = tmp_path_factory.mktemp("series")
     for name in ("vllm.pin", "series", *(p.name for p in series.patches)):
         shutil.copy2(patchtool.PATCH_DIR / name, patches / name)
@@ -125,11 +129,13 @@ def test_edited_series_replaces_the_recorded_version(pristine: Path, series: Ser
     edited = patches / series.patches[1].name
     text = edited.read_text()
     assert "+# HYPERHARNESS_EOT_STATE=0 restores upstream.\n" in text
-    edited.write_text(text.replace("+# HYPERHARNESS_EOT_STATE=0 restores upstream.\n", "+# HYPERHARNESS_EOT_STATE=0: upstream.\n"))
+    old, new = "+# HYPERHARNESS_EOT_STATE=0 restores upstream.\n", "+# HYPERHARNESS_EOT_STATE=0: upstream.\n"
+    edited.write_text(text.replace(old, new))
     assert _invoke("check", "--target", str(pristine), "--series-dir", str(patches))[0] == patchtool.EXIT_MISMATCH
     code, out = _invoke("apply", "--ensure", "--target", str(pristine), "--series-dir", str(patches))
     assert code == 0 and "recorded version" in out, out
     assert _invoke("check", "--target", str(pristine), "--series-dir", str(patches))[0] == 0
-    assert "HYPERHARNESS_EOT_STATE=0: upstream." in (pristine / "vllm/v1/core/single_type_kv_cache_manager.py").read_text()
+    patched = (pristine / "vllm/v1/core/single_type_kv_cache_manager.py").read_text()
+    assert "HYPERHARNESS_EOT_STATE=0: upstream." in patched
     assert _invoke("revert", "--target", str(pristine), "--series-dir", str(patches))[0] == 0
     assert not list((pristine / patchtool.RECORD_DIR).glob("*.patch"))
