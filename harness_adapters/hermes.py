@@ -2,7 +2,7 @@
 
 A named provider (`providers.hyperharness`, selected as `custom:hyperharness`) rather than the bare
 `model.base_url` form, because only named providers carry `extra_headers` and an output cap:
-- `max_output_tokens`: without it Hermes asks for `max_tokens` = the whole context (65,536 on a 64K
+- `max_output_tokens` (and `model.max_tokens`, the one `hermes -z` reads): without it Hermes asks for `max_tokens` = the whole context (65,536 on a 64K
   model), which vLLM refuses and Hermes misreads as "prompt too long" (hermes-agent#49686, #102494);
   the proxy also caps it (proxy/quirks.py), this keeps the request honest;
 - `model.context_length`: the window from the proxy's /v1/models; Hermes refuses a main or auxiliary
@@ -54,7 +54,9 @@ class HermesAdapter:
         providers[PROVIDER_ID] = self.provider(target)
         data["providers"] = providers
         model = data.get("model") if isinstance(data.get("model"), dict) else {}
-        model.update({"provider": SELECTOR, "default": target.model, "context_length": target.context_window})
+        # `max_tokens` here too: `hermes -z` (oneshot) reads the output cap from `model.max_tokens` only.
+        model.update({"provider": SELECTOR, "default": target.model, "context_length": target.context_window,
+                      "max_tokens": target.max_output})
         model.pop("base_url", None)  # the bare form would win over the named provider
         data["model"] = model
         return [FileChange(path, before, dump_yaml(data)), key_change(home, target)]
@@ -67,7 +69,7 @@ class HermesAdapter:
             data["providers"].pop(PROVIDER_ID, None)
         model = data.get("model")
         if isinstance(model, dict) and model.get("provider") == SELECTOR:
-            for k in ("provider", "default", "context_length"):
+            for k in ("provider", "default", "context_length", "max_tokens"):
                 model.pop(k, None)
             if not model:
                 del data["model"]

@@ -30,7 +30,9 @@ from proxy.errors import InvalidRequest, ProxyError
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop_sequences": "stop"}
 # Fields that are not sampling or content: carried over for the quirks (thinking switch, session ids).
-_CARRIED = ("thinking", "output_config", "metadata", "dsh_session_log", "dsh_plugin_packages")
+# vLLM's own extensions (structured outputs, ...) ride along as on the chat route.
+_CARRIED = ("thinking", "output_config", "metadata", "dsh_session_log", "dsh_plugin_packages",
+            "structured_outputs", "min_tokens", "ignore_eos")
 
 
 def message_id() -> str:

@@ -62,6 +62,7 @@ BACKGROUND_SYSTEM_PREFIXES = (
 BACKGROUND_USER_MARKERS = (
     "<compacted-summary>",  # DeepSeek Harness compaction output, replayed after a compaction
 )
+SIDE_SUFFIX = "/side"
 _OFF_EFFORTS = frozenset({"none", "minimal", "off", "disabled"})
 
 
@@ -167,7 +168,9 @@ def is_summary_request(body: Mapping[str, Any]) -> bool:
     text = _system_text(body)
     if any(text.startswith(p) for p in BACKGROUND_SYSTEM_PREFIXES):
         return True
-    return "session title" in text.lower() or "generate a title" in text.lower()
+    # Titles: DSH's "Create a concise title for an AI coding-assistant session ...", and the like.
+    first_line = text.split("\n", 1)[0].lower()
+    return "title" in first_line.split() or " title " in f" {first_line} "
 
 
 def _system_text(body: Mapping[str, Any]) -> str:
@@ -290,6 +293,11 @@ def prepare_chat(body: dict[str, Any], headers: Mapping[str, str], *, max_model_
         applied.append("developer_role")  # folded into system by the renderer (proxy/format/normalize.py)
     if ids.session is not None and ids.source == "dsh_session_log":
         hdrs["x-session-id"] = ids.session  # so sessions.identify keys the store by it
+    if ids.session is not None and is_summary_request(body):
+        # DSH sends its title request under the session's own prompt_cache_key, Pi its summary under
+        # the session headers; they share no prefix with the session, so their transcripts go apart.
+        hdrs["x-session-id"] = ids.session + SIDE_SUFFIX
+        applied.append("side_session")
     hdrs[PRIORITY_HEADER] = priority
     if quirk_log is not None:
         messages = body.get("messages") if isinstance(body.get("messages"), list) else []

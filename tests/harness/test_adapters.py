@@ -28,26 +28,30 @@ def apply_all(changes: list) -> None:  # type: ignore[type-arg]
         c.apply()
 
 
-def test_dsh_writes_route_a_and_keeps_user_settings(tmp_path: Path) -> None:
-    (tmp_path / "settings.yaml").write_text(yaml.safe_dump({
-        "llm-pi-ai": {"providers": {"mine": {"api": "openai-completions", "baseURL": "http://x"}}},
-        "tools": {"config": {"mode": "full"}}}))
+def test_dsh_writes_route_a_patch_and_keeps_user_patches(tmp_path: Path) -> None:
+    (tmp_path / "cordis.patch.yml").write_text(yaml.safe_dump([
+        {"id": "llm-pi-ai", "config": {"providers": {"mine": {"api": "openai-completions", "baseURL": "http://x"}}}},
+        {"id": "tools", "config": {"mode": "full"}}]))
     (tmp_path / ".env").write_text("OTHER=1\n")
     apply_all(ADAPTERS["dsh"].install(TARGET, tmp_path))
-    data = yaml.safe_load((tmp_path / "settings.yaml").read_text())
-    ours = data["llm-pi-ai"]["providers"]["hyperharness"]
-    assert data["llm-pi-ai"]["providers"]["mine"] == {"api": "openai-completions", "baseURL": "http://x"}
-    assert data["tools"] == {"config": {"mode": "full"}}
-    assert data["agent-default-model"] == {"provider": "hyperharness", "model": "qwen-local"}
+    patches = {p["id"]: p for p in yaml.safe_load((tmp_path / "cordis.patch.yml").read_text())}
+    providers = patches["llm-pi-ai"]["config"]["providers"]
+    ours = providers["hyperharness"]
+    assert providers["mine"] == {"api": "openai-completions", "baseURL": "http://x"}
+    assert patches["tools"] == {"id": "tools", "config": {"mode": "full"}}
+    assert patches["agent-default-model"]["config"] == {"provider": "hyperharness", "model": "qwen-local"}
     assert ours["cacheRetention"] == "long" and ours["apiKeyEnv"] == KEY_ENV
     assert ours["compat"]["supportsDeveloperRole"] is False and ours["compat"]["maxTokensField"] == "max_tokens"
     assert ours["models"][0]["contextWindow"] == 65536 and ours["models"][0]["maxTokens"] == 4096
     assert ours["defaultContextWindow"] == 65536  # not DSH's 1M / 256K defaults
-    assert "sk-secret" not in (tmp_path / "settings.yaml").read_text()
+    assert "sk-secret" not in (tmp_path / "cordis.patch.yml").read_text()
     assert (tmp_path / ".env").read_text() == f"OTHER=1\n{KEY_ENV}=sk-secret\n"
     assert "DEEPSEEK_API_KEY" not in (tmp_path / ".env").read_text()  # web search must not get our key
-    assert (tmp_path / ("settings.yaml" + BACKUP_SUFFIX)).exists()
+    assert (tmp_path / ("cordis.patch.yml" + BACKUP_SUFFIX)).exists()
     assert ADAPTERS["dsh"].show(tmp_path)["provider"]["baseURL"] == TARGET.base_url
+    apply_all(ADAPTERS["dsh"].remove(tmp_path))
+    patches = {p["id"]: p for p in yaml.safe_load((tmp_path / "cordis.patch.yml").read_text())}
+    assert set(patches) == {"llm-pi-ai", "tools"} and set(patches["llm-pi-ai"]["config"]["providers"]) == {"mine"}
 
 
 def test_pi_writes_models_and_settings(tmp_path: Path) -> None:
@@ -73,7 +77,8 @@ def test_hermes_writes_named_provider(tmp_path: Path) -> None:
     apply_all(ADAPTERS["hermes"].install(TARGET, tmp_path))
     data = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert data["agent"] == {"max_turns": 5}
-    assert data["model"] == {"default": "qwen-local", "provider": "custom:hyperharness", "context_length": 65536}
+    assert data["model"] == {"default": "qwen-local", "provider": "custom:hyperharness", "context_length": 65536,
+                             "max_tokens": 4096}
     ours = data["providers"]["hyperharness"]
     assert ours["max_output_tokens"] == 4096 and ours["key_env"] == KEY_ENV
     assert ours["extra_headers"] == {"x-harness": "hermes"}

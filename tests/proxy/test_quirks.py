@@ -61,6 +61,22 @@ def test_priority_background_for_compaction_and_summaries() -> None:
     assert quirks.priority_class({}, pi_summary, None) == "background"
     title = {"system": [{"type": "text", "text": "Generate a title for this session in five words."}]}
     assert quirks.priority_class({}, title, None) == "background"
+    dsh_title = {"messages": [{"role": "system", "content": "Create a concise title for an AI coding-assistant"
+                                                            " session from the supplied human messages.\nReturn"},
+                              USER]}
+    assert quirks.priority_class({}, dsh_title, None) == "background"
+    assert quirks.priority_class({}, {"messages": [{"role": "system", "content": "You are a coding agent.\n"
+                                                   "Give each file a title."}, USER]}, None) == "interactive"
+
+
+def test_side_requests_get_their_own_transcript() -> None:
+    """DSH's title request carries the session's prompt_cache_key; it must not land on its transcript."""
+    body = {"prompt_cache_key": "session-1", "messages": [
+        {"role": "system", "content": "Create a concise title for an AI coding-assistant session."}, USER]}
+    log = quirks.QuirkLog()
+    _, headers = quirks.prepare_chat(body, {}, max_model_len=100, quirk_log=log)
+    assert headers["x-session-id"] == "session-1/side"
+    assert log.recent[-1].session.key == "h:session-1/side" and log.recent[-1].priority == "background"
 
 
 def test_priority_subagent_and_explicit() -> None:
