@@ -244,12 +244,23 @@ HEADER = f"{'case':<40} {'us':>10} {'GB/s':>8} {'%copy':>7} {'vs vllm':>9} err"
 
 def sweep(pool: Int8KVCache, flush: torch.Tensor, bw: float, out: list) -> None:
     """Variants at 100K, batch 1: read windows on/off, launch parameters, combine alone."""
+    w = {"words": True}
     variants: dict[int, list[dict]] = {
-        1: [{}, {"block_n": 16, "num_stages": 3}, {"block_n": 32, "num_warps": 2},
-            {"block_n": 64, "num_warps": 4, "num_stages": 2}],
-        8: [{}, {"block_n": 16, "num_stages": 2}, {"block_n": 16, "num_warps": 8, "num_stages": 3},
-            {"block_n": 32, "num_stages": 2}],
-        16: [{}, {"block_n": 16, "num_stages": 2}],
+        1: [{"words": False}, {**w, "block_n": 32, "num_warps": 4, "num_stages": 3},
+            {**w, "block_n": 64, "num_warps": 4, "num_stages": 3},
+            {**w, "block_n": 64, "num_warps": 8, "num_stages": 3},
+            {**w, "block_n": 32, "num_warps": 8, "num_stages": 3},
+            {**w, "block_n": 16, "num_warps": 4, "num_stages": 3}],
+        8: [{"words": False}, {**w, "block_n": 32, "num_warps": 8, "num_stages": 2},
+            {**w, "block_n": 16, "num_warps": 8, "num_stages": 3},
+            {**w, "block_n": 32, "num_warps": 8, "num_stages": 3},
+            {**w, "block_n": 64, "num_warps": 8, "num_stages": 2},
+            {**w, "block_n": 16, "num_warps": 4, "num_stages": 2},
+            {**w, "block_n": 32, "num_warps": 8, "num_stages": 2, "num_splits": 33},
+            {**w, "block_n": 32, "num_warps": 8, "num_stages": 2, "num_splits": 132}],
+        16: [{"words": False}, {**w, "block_n": 32, "num_warps": 8, "num_stages": 2},
+             {**w, "block_n": 16, "num_warps": 8, "num_stages": 3},
+             {**w, "block_n": 16, "num_warps": 8, "num_stages": 2}],
     }  # fmt: skip
     for t, kws in variants.items():
         prob = Problem(pool, 1, 100_000, t, HQ)
@@ -296,6 +307,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="launch-parameter sweep at 100K")
     ap.add_argument("--quick", action="store_true", help="100K only")
+    ap.add_argument("--sweep-only", action="store_true", help="stop after the sweep")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile-one", type=int, default=0, help="one launch at 100K, T=this")
     args = ap.parse_args()
@@ -317,6 +329,8 @@ def main() -> None:
     pool = make_pool(4 * max(contexts) + 64, 16, HKV, D)
     if args.sweep:
         sweep(pool, flush, bw, results)
+        if args.sweep_only:
+            return
 
     # The anchor first: vLLM at 100K, T=8, batch 1 (issue 6 measured 11,524 µs).
     print(HEADER, flush=True)

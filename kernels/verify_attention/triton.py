@@ -38,6 +38,8 @@ LOG2E = 1.4426950408889634
 # is kept under ~6% of the KV bytes by MIN_SPLIT_TOKENS. Tuned on the H200 (see bench.py).
 CTAS_PER_SM = 2
 MIN_SPLIT_TOKENS = 256
+# int32-word reads (verify_attention_split_words_kernel) instead of int8 tiles.
+WORDS_DEFAULT = False
 
 
 @triton.jit
@@ -232,6 +234,156 @@ def verify_attention_split_kernel(
 
 
 @triton.jit
+def _words_to_f16(w, USE_ASM: tl.constexpr):
+    """int32 words of 4 packed int8 -> 4 fp16 tensors (byte 0..3 of each word), exact."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 u, m, c, a0, a1;
+            xor.b32 u, $4, 0x80808080;
+            mov.b32 m, 0x64646464;
+            mov.b32 c, 0x64806480;
+            prmt.b32 a0, u, m, 0x4140;
+            prmt.b32 a1, u, m, 0x4342;
+            sub.f16x2 a0, a0, c;
+            sub.f16x2 a1, a1, c;
+            mov.b32 {$0, $1}, a0;
+            mov.b32 {$2, $3}, a1;
+            }""",
+            constraints="=h,=h,=h,=h,r",
+            args=[w],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        x0 = ((w << 24) >> 24).to(tl.float16)
+        x1 = ((w << 16) >> 24).to(tl.float16)
+        x2 = ((w << 8) >> 24).to(tl.float16)
+        x3 = (w >> 24).to(tl.float16)
+        return x0, x1, x2, x3
+
+
+@triton.jit
+def verify_attention_split_words_kernel(
+    q_ptr, kv_ptr, ks_ptr, vs_ptr, block_table_ptr, seq_lens_ptr, cu_q_ptr,
+    out_ptr, part_acc_ptr, part_ml_ptr,
+    qk_scale, v_off, window, num_splits, num_q_tiles,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+    stride_kv_blk, stride_kv_slot, stride_kv_head,
+    stride_ks_blk, stride_ks_slot, stride_ks_head,
+    stride_vs_blk, stride_vs_slot, stride_vs_head,
+    stride_bt,
+    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_ASM: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Same contract as verify_attention_split_kernel, reading K/V as int32 words.
+
+    Dimension d = 4 j + i of a row is byte i of word j, so S = sum_i Q[:, i::4] K_i^T and
+    O[:, i::4] = P V_i: the dots take fp16 operands converted in the load layout, so no int8
+    tile is ever re-laid out byte by byte. Needs 4-byte-aligned rows (vLLM's V rows are).
+    """  # fmt: skip
+    i_s = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_bq = tl.program_id(2)
+    i_b = i_bq // num_q_tiles
+    i_qt = i_bq % num_q_tiles
+    q_start = tl.load(cu_q_ptr + i_b)
+    q_len = tl.load(cu_q_ptr + i_b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + i_b)
+    ctx_len = seq_len - q_len
+    q_lo = i_qt * BLOCK_Q
+    q_hi = tl.minimum(q_lo + BLOCK_Q, q_len)
+    k_hi = ctx_len + q_hi
+    k_lo = 0
+    if window > 0:
+        k_lo = tl.maximum(ctx_len + q_lo - window + 1, 0)
+    per_split = tl.cdiv(tl.cdiv(tl.maximum(k_hi - k_lo, 0), num_splits), BLOCK_N) * BLOCK_N
+    n_start = k_lo + i_s * per_split
+    n_end = tl.minimum(n_start + per_split, k_hi)
+
+    DW: tl.constexpr = D // 4
+    o_m = tl.arange(0, BLOCK_M)
+    o_t = q_lo + o_m // G
+    o_hq = i_h * G + o_m % G
+    m_row = (o_m < BLOCK_Q * G) & (o_t < q_hi)
+    o_j = tl.arange(0, DW)
+    q_pos = ctx_len + o_t
+    p_q = q_ptr + (q_start + o_t).to(tl.int64)[:, None] * stride_q_tok + o_hq[:, None] * stride_q_head
+    p_q += 4 * o_j[None, :]
+    b_q0 = (tl.load(p_q, mask=m_row[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
+    b_q1 = (tl.load(p_q + 1, mask=m_row[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
+    b_q2 = (tl.load(p_q + 2, mask=m_row[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
+    b_q3 = (tl.load(p_q + 3, mask=m_row[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
+
+    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_a0 = tl.zeros([BLOCK_M, DW], dtype=tl.float32)
+    b_a1 = tl.zeros([BLOCK_M, DW], dtype=tl.float32)
+    b_a2 = tl.zeros([BLOCK_M, DW], dtype=tl.float32)
+    b_a3 = tl.zeros([BLOCK_M, DW], dtype=tl.float32)
+    kv32 = kv_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    p_bt = block_table_ptr + i_b.to(tl.int64) * stride_bt
+    for n0 in range(n_start, n_end, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < n_end
+        blk = tl.load(p_bt + o_n // PAGE, mask=m_n, other=0).to(tl.int64)
+        slot = o_n % PAGE
+        o_k = (blk * stride_kv_blk + slot * stride_kv_slot + i_h * stride_kv_head) // 4
+        o_v = o_k + v_off // 4
+        b_wk = tl.load(kv32 + o_k[:, None] + o_j[None, :], mask=m_n[:, None], other=0)
+        b_wv = tl.load(kv32 + o_v[:, None] + o_j[None, :], mask=m_n[:, None], other=0)
+        b_ks = tl.load(ks_ptr + blk * stride_ks_blk + slot * stride_ks_slot + i_h * stride_ks_head,
+                       mask=m_n, other=0.0)
+        b_vs = tl.load(vs_ptr + blk * stride_vs_blk + slot * stride_vs_slot + i_h * stride_vs_head,
+                       mask=m_n, other=0.0)
+
+        k0, k1, k2, k3 = _words_to_f16(b_wk, USE_ASM)
+        b_s = tl.dot(b_q0, tl.trans(k0))
+        b_s = tl.dot(b_q1, tl.trans(k1), b_s)
+        b_s = tl.dot(b_q2, tl.trans(k2), b_s)
+        b_s = tl.dot(b_q3, tl.trans(k3), b_s)
+        b_s = b_s * b_ks[None, :]
+        m_vis = m_n[None, :] & (o_n[None, :] <= q_pos[:, None])
+        if window > 0:
+            m_vis &= (q_pos[:, None] - o_n[None, :]) < window
+        b_s = tl.where(m_vis, b_s, float("-inf"))
+        m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        b_p = tl.exp2(b_s - m_safe[:, None])
+        alpha = tl.exp2(b_m - m_safe)
+        b_l = b_l * alpha + tl.sum(b_p, 1)
+        b_pv = (b_p * b_vs[None, :]).to(tl.float16)
+        v0, v1, v2, v3 = _words_to_f16(b_wv, USE_ASM)
+        b_a0 = tl.dot(b_pv, v0, b_a0 * alpha[:, None])
+        b_a1 = tl.dot(b_pv, v1, b_a1 * alpha[:, None])
+        b_a2 = tl.dot(b_pv, v2, b_a2 * alpha[:, None])
+        b_a3 = tl.dot(b_pv, v3, b_a3 * alpha[:, None])
+        b_m = m_new
+
+    o_tok = (q_start + o_t).to(tl.int64)
+    if SPLIT:
+        o_part = (o_tok * tl.num_programs(1) * G + o_hq) * num_splits + i_s
+        p_o = part_acc_ptr + o_part[:, None] * D + 4 * o_j[None, :]
+        tl.store(part_ml_ptr + o_part * 2, b_m, mask=m_row)
+        tl.store(part_ml_ptr + o_part * 2 + 1, b_l, mask=m_row)
+    else:
+        b_inv = 1.0 / tl.where(b_l > 0, b_l, 1.0)
+        p_o = out_ptr + o_tok[:, None] * stride_o_tok + o_hq[:, None] * stride_o_head
+        p_o += 4 * o_j[None, :]
+        b_a0 *= b_inv[:, None]
+        b_a1 *= b_inv[:, None]
+        b_a2 *= b_inv[:, None]
+        b_a3 *= b_inv[:, None]
+    ty = p_o.dtype.element_ty
+    tl.store(p_o, b_a0.to(ty), mask=m_row[:, None])
+    tl.store(p_o + 1, b_a1.to(ty), mask=m_row[:, None])
+    tl.store(p_o + 2, b_a2.to(ty), mask=m_row[:, None])
+    tl.store(p_o + 3, b_a3.to(ty), mask=m_row[:, None])
+
+
+@triton.jit
 def verify_attention_combine_kernel(
     out_ptr,  # [N, Hq, D]
     part_acc_ptr,  # [N, Hq, S, D] fp32
@@ -332,6 +484,7 @@ def verify_attention_fwd(
     num_stages: int | None = None,
     use_asm: bool | None = None,
     windowed: bool | None = None,
+    words: bool | None = None,
 ) -> torch.Tensor:
     """Launcher; see ``kernels.verify_attention.verify_attention`` for the contract."""
     num_tokens, num_q_heads, head_size = q.shape
@@ -366,7 +519,7 @@ def verify_attention_fwd(
     else:
         part_acc = part_ml = out  # unused
     grid = (num_splits, num_kv_heads, num_seqs * num_q_tiles)
-    verify_attention_split_kernel[grid](
+    args = (
         q, k, k_scale_cache, v_scale_cache, block_table, seqused_k, cu_seqlens_q,
         out, part_acc, part_ml,
         softmax_scale * LOG2E, v_off, window, num_splits, num_q_tiles,
@@ -375,13 +528,22 @@ def verify_attention_fwd(
         k_scale_cache.stride(0), k_scale_cache.stride(1), k_scale_cache.stride(2),
         v_scale_cache.stride(0), v_scale_cache.stride(1), v_scale_cache.stride(2),
         block_table.stride(0),
-        G=group, D=head_size, PAGE=page, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        K_ALIGN=_alignment(*k.stride()[:3], k.data_ptr()),
-        V_ALIGN=_alignment(*k.stride()[:3], k.data_ptr(), v_off),
-        USE_ASM=use_asm, WIN=windowed, SPLIT=split,
-        num_warps=num_warps or cfg["num_warps"],
-        num_stages=num_stages or cfg["num_stages"],
     )  # fmt: skip
+    meta = dict(
+        G=group, D=head_size, PAGE=page, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+        USE_ASM=use_asm, SPLIT=split,
+        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
+    )  # fmt: skip
+    k_align = _alignment(*k.stride()[:3], k.data_ptr())
+    v_align = _alignment(*k.stride()[:3], k.data_ptr(), v_off)
+    if words is None:
+        words = WORDS_DEFAULT
+    if words and min(k_align, v_align) >= 4:
+        verify_attention_split_words_kernel[grid](*args, **meta)
+    else:
+        verify_attention_split_kernel[grid](
+            *args, K_ALIGN=k_align, V_ALIGN=v_align, WIN=windowed, **meta
+        )
     if split:
         block_d = min(head_size, 64)
         block_s = triton.next_power_of_2(num_splits)
