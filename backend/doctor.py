@@ -16,7 +16,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import httpx
 import typer
@@ -32,11 +32,11 @@ GUARDED_ROUTES = (
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
 )  # fmt: skip
 
-SAMPLE_TOOLS = [
+SAMPLE_TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": "read_file", "description": "Read a file",
      "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
 ]  # fmt: skip
-SAMPLE_MESSAGES = [
+SAMPLE_MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "You are a careful coding agent."},
     {"role": "user", "content": "What is in README.md?"},
     {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",

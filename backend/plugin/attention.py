@@ -70,11 +70,11 @@ def install(max_verify_tokens: int) -> bool:
     """Rebind TRITON_ATTN's `unified_attention` (idempotent). CUDA workers only (caller checks)."""
     import vllm.v1.attention.backends.triton_attn as triton_attn
 
-    if getattr(triton_attn.unified_attention, "hyperharness", False):
+    upstream = getattr(triton_attn, "unified_attention")  # noqa: B009 - not re-exported
+    if getattr(upstream, "hyperharness", False):
         return True
     from kernels.verify_attention import split_kv_verify_attention
 
-    triton_attn.unified_attention = make_router(
-        triton_attn.unified_attention, split_kv_verify_attention, max_verify_tokens
-    )
+    router = make_router(upstream, split_kv_verify_attention, max_verify_tokens)
+    setattr(triton_attn, "unified_attention", router)  # noqa: B010 - rebinding a module global
     return True

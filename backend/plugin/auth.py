@@ -23,12 +23,12 @@ def is_guarded(path: str, method: str | None) -> bool:
     return path.rstrip("/") not in OPEN_PATHS
 
 
-def _middleware_class() -> type:
+def _middleware_class() -> Any:
     from starlette.datastructures import Headers
     from starlette.responses import JSONResponse
     from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
-    class EngineAuthMiddleware(AuthenticationMiddleware):  # type: ignore[misc]
+    class EngineAuthMiddleware(AuthenticationMiddleware):
         """Upstream's check on every path except /health."""
 
         hyperharness = True
@@ -52,5 +52,5 @@ def install() -> bool:
         return False
     if getattr(upstream.AuthenticationMiddleware, "hyperharness", False):
         return True
-    upstream.AuthenticationMiddleware = _middleware_class()
+    setattr(upstream, "AuthenticationMiddleware", _middleware_class())  # noqa: B010 - rebinding a module global
     return True
