@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import triton
 
 from kernels.gdn_verify import (
     fused_recurrent_gdn_verify,
@@ -82,6 +83,11 @@ def time_graph(fn: Callable[[], object], n: int = 20, reps: int = 15) -> float:
         torch.cuda.synchronize()
         med.append(statistics.median(st.elapsed_time(en) * 1e3 for st, en in ev))
     return (med[0] - med[1]) / n
+
+
+@triton.jit
+def _empty_kernel(x):
+    pass
 
 
 def load_vllm(ref_dir: Path):
@@ -207,7 +213,7 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"copy bandwidth (read+write) {bw / 1e12:.2f} TB/s")
     if args.sweep:
-        cfgs = [(8, 1), (16, 1), (8, 1, 128), (8, 1, 168), (16, 2), (32, 4)]
+        cfgs = [(8, 1), (16, 1), (8, 1, 168), (16, 2)]
         for B in batches:
             res = []
             for cfg in cfgs:
@@ -228,6 +234,8 @@ def main() -> None:
     if vllm_fn is not None:
         for name, sd in DTYPES.items():
             print(f"ours eager vs vLLM eager, B=3 {name} state: {compare_vllm(vllm_fn, 3, T, sd)}")
+    dummy = torch.zeros(1, device="cuda")
+    print(f"launch floor in this harness (one empty Triton kernel): {time_graph(lambda: _empty_kernel[(1,)](dummy)):.2f} µs")
     cols = ["ours r=T", "ours r=3", "vllm eager", "fla 1 call", f"fla {T}x1"]
     print(f"\nGDN verify, T={T}, H={H} HV={HV} K={K} V={V}; µs per layer (CUDA graph, cold L2: memset-flushed, flush time subtracted); "
           f"[GB/s, %copy-bw]")

@@ -61,6 +61,19 @@ def _delta_step(b_h, b_k, b_v, decay, beta):
 
 
 @triton.jit
+def _load_token(q, k, v, a, b, i_b, t, i_h, i_hv, o_k, o_v, m_k, m_v,
+                s_qk_b, s_qk_t, s_v_b, s_v_t, s_ab_b, s_ab_t, K: tl.constexpr, V: tl.constexpr):
+    """Raw q, k ([BK]), v ([BV]), a, b (scalars) of token t."""
+    p_qk = i_b * s_qk_b + t * s_qk_t + i_h * K + o_k
+    r_q = tl.load(q + p_qk, mask=m_k, other=0)
+    r_k = tl.load(k + p_qk, mask=m_k, other=0)
+    r_v = tl.load(v + i_b * s_v_b + t * s_v_t + i_hv * V + o_v, mask=m_v, other=0)
+    r_a = tl.load(a + i_b * s_ab_b + t * s_ab_t + i_hv)
+    r_b = tl.load(b + i_b * s_ab_b + t * s_ab_t + i_hv)
+    return r_q, r_k, r_v, r_a, r_b
+
+
+@triton.jit
 def gdn_verify_kernel(
     q, k, v, a, b, A_log, dt_bias, o,
     state, init_idx, tok_idx, log, log_parity, num_replay,
@@ -95,6 +108,15 @@ def gdn_verify_kernel(
     p_h = state + slot * s_state + o_s
     b_h = tl.load(p_h, mask=m_h, other=0).to(tl.float32)
 
+    # Inputs of the first two new tokens are loaded now, under the state load and the replay, and
+    # each later token's two steps ahead (ptxas does not hoist loads across the unrolled tokens).
+    if T > 0:
+        q0, k0, v0, a0, b0 = _load_token(q, k, v, a, b, i_b, 0, i_h, i_hv, o_k, o_v, m_k, m_v,
+                                         s_qk_b, s_qk_t, s_v_b, s_v_t, s_ab_b, s_ab_t, K, V)
+    if T > 1:
+        q1, k1, v1, a1, b1 = _load_token(q, k, v, a, b, i_b, 1, i_h, i_hv, o_k, o_v, m_k, m_v,
+                                         s_qk_b, s_qk_t, s_v_b, s_v_t, s_ab_b, s_ab_t, K, V)
+
     LR: tl.constexpr = H * K + HV * V + 2 * HV  # log row: k | v | a | b
     RG: tl.constexpr = 4  # replay tokens per branch: loads hoist within a group; <= 3 wasted steps
     if LAZY:
@@ -124,12 +146,13 @@ def gdn_verify_kernel(
         m_wab = i_v == 0
 
     for t in tl.static_range(T):
-        p_qk = i_b * s_qk_b + t * s_qk_t + i_h * K + o_k
-        r_k = tl.load(k + p_qk, mask=m_k, other=0)
-        r_v = tl.load(v + i_b * s_v_b + t * s_v_t + i_hv * V + o_v, mask=m_v, other=0)
-        r_a = tl.load(a + i_b * s_ab_b + t * s_ab_t + i_hv)
-        r_b = tl.load(b + i_b * s_ab_b + t * s_ab_t + i_hv)
-        b_q = _l2norm(tl.load(q + p_qk, mask=m_k, other=0).to(tl.float32)) * scale
+        r_q, r_k, r_v, r_a, r_b = q0, k0, v0, a0, b0
+        if t + 1 < T:
+            q0, k0, v0, a0, b0 = q1, k1, v1, a1, b1
+        if t + 2 < T:
+            q1, k1, v1, a1, b1 = _load_token(q, k, v, a, b, i_b, t + 2, i_h, i_hv, o_k, o_v, m_k, m_v,
+                                             s_qk_b, s_qk_t, s_v_b, s_v_t, s_ab_b, s_ab_t, K, V)
+        b_q = _l2norm(r_q.to(tl.float32)) * scale
         decay, beta = _gates(r_a, r_b, neg_exp_A, dt)
         b_h = _delta_step(b_h, _l2norm(r_k.to(tl.float32)), r_v.to(tl.float32), decay, beta)
         b_o = tl.sum(b_h * b_q[:, None], 0)

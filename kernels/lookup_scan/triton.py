@@ -55,7 +55,8 @@ def lookup_scan_kernel(
             score = tl.where(m >= MIN_N, (m.to(tl.int64) << 32) | (e + 1).to(tl.int64), 0)
             best = tl.maximum(best, tl.max(score))
 
-    tl.atomic_max(ws + i_b, best)
+    if best > 0:  # most programs of a quoting history find nothing: spare the contended word
+        tl.atomic_max(ws + i_b, best)
     ticket = tl.atomic_add(ws + B + i_b, 1)  # acq_rel: orders the max above before it
     if ticket == P - 1:
         best = tl.atomic_xchg(ws + i_b, 0)
