@@ -162,7 +162,11 @@ def fake_engine_main(port: int, events: int, interval_ms: float) -> None:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
     app = web.Application()
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_post("/v1/completions", completions)
@@ -187,6 +191,11 @@ async def _wait(url: str) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
+def _has_token(line: bytes) -> bool:
+    """A chunk carrying generated text (not the empty role chunk)."""
+    return any(k in line and not (k + b'"') in line for k in (b'"content":"', b'"reasoning_content":"', b'"text":"'))
+
+
 async def _ttfb(s: aiohttp.ClientSession, url: str, body: dict[str, Any], content: bool) -> tuple[float, int]:
     """Seconds to the first byte (or first content delta) and the number of SSE events read."""
     t = time.perf_counter()
@@ -197,7 +206,7 @@ async def _ttfb(s: aiohttp.ClientSession, url: str, body: dict[str, Any], conten
             if not line.startswith(b"data: "):
                 continue
             n += 1
-            if not first and (not content or b'"content":"x' in line or b'"text":"x' in line):
+            if not first and (not content or _has_token(line)):
                 first = time.perf_counter() - t
     return first, n
 
