@@ -275,28 +275,33 @@ class ChatTurn:
         self.usage: dict[str, Any] | None = None
 
     async def _events(self, parser: OutputParser) -> AsyncIterator[list[Any]]:
-        """Parser deltas per upstream event; records generated ids, finish reason and usage."""
+        """Parser deltas per upstream read (one or more events); records generated ids, finish reason
+        and usage."""
         first = True
         prefilled = getattr(self.ticket, "prefilled", None)  # the scheduler: this prompt is now computed
-        async for event in self.stream.events():
+        async for batch in self.stream.batches():
             if prefilled is not None:
                 prefilled()
                 prefilled = None
-            if "error" in event and not event.get("choices"):
-                raise UpstreamError(f"engine error mid-stream: {event['error']}")
-            if event.get("usage"):
-                self.usage = event["usage"]
-            for choice in event.get("choices") or ():
-                ids = choice.get("token_ids") or []
-                self.generated.extend(ids)
-                if choice.get("finish_reason"):
-                    self.upstream_finish = choice["finish_reason"]
-                deltas = parser.feed(ids) if ids else []
-                if deltas:
-                    if first:
-                        self.service.metrics.ttfb.labels("chat").observe(time.perf_counter() - self.started)
-                        first = False
-                    yield deltas
+            new: list[int] = []
+            for event in batch:
+                if "error" in event and not event.get("choices"):
+                    raise UpstreamError(f"engine error mid-stream: {event['error']}")
+                if event.get("usage"):
+                    self.usage = event["usage"]
+                for choice in event.get("choices") or ():
+                    new.extend(choice.get("token_ids") or ())
+                    if choice.get("finish_reason"):
+                        self.upstream_finish = choice["finish_reason"]
+            if not new:
+                continue
+            self.generated.extend(new)
+            deltas = parser.feed(new)
+            if deltas:
+                if first:
+                    self.service.metrics.ttfb.labels("chat").observe(time.perf_counter() - self.started)
+                    first = False
+                yield deltas
         yield parser.finish()
 
     def _usage(self) -> dict[str, Any]:
