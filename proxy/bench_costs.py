@@ -96,7 +96,8 @@ async def render_cost(model_dir: Path, tokens: int, new_tokens: int, reps: int) 
     big = " ".join(f"line{i} = compute(value_{i}) + offset" for i in range(int(new_tokens / 9.5)))
     body: dict[str, Any] = {
         "model": "m",
-        "messages": list(body_n["messages"]) + [last_call, {"role": "tool", "tool_call_id": "call_last", "content": big}],
+        "messages": list(body_n["messages"])
+        + [last_call, {"role": "tool", "tool_call_id": "call_last", "content": big}],
     }
     splice = await svc.plan(body, headers)
     if splice.parent is None:
@@ -193,7 +194,7 @@ async def _wait(url: str) -> None:
 
 def _has_token(line: bytes) -> bool:
     """A chunk carrying generated text (not the empty role chunk)."""
-    return any(k in line and not (k + b'"') in line for k in (b'"content":"', b'"reasoning_content":"', b'"text":"'))
+    return any(k in line and (k + b'"') not in line for k in (b'"content":"', b'"reasoning_content":"', b'"text":"'))
 
 
 async def _ttfb(s: aiohttp.ClientSession, url: str, body: dict[str, Any], content: bool) -> tuple[float, int]:
