@@ -244,23 +244,11 @@ HEADER = f"{'case':<40} {'us':>10} {'GB/s':>8} {'%copy':>7} {'vs vllm':>9} err"
 
 def sweep(pool: Int8KVCache, flush: torch.Tensor, bw: float, out: list) -> None:
     """Variants at 100K, batch 1: read windows on/off, launch parameters, combine alone."""
-    w = {"words": True}
     variants: dict[int, list[dict]] = {
-        1: [{"words": False}, {**w, "block_n": 32, "num_warps": 4, "num_stages": 3},
-            {**w, "block_n": 64, "num_warps": 4, "num_stages": 3},
-            {**w, "block_n": 64, "num_warps": 8, "num_stages": 3},
-            {**w, "block_n": 32, "num_warps": 8, "num_stages": 3},
-            {**w, "block_n": 16, "num_warps": 4, "num_stages": 3}],
-        8: [{"words": False}, {**w, "block_n": 32, "num_warps": 8, "num_stages": 2},
-            {**w, "block_n": 16, "num_warps": 8, "num_stages": 3},
-            {**w, "block_n": 32, "num_warps": 8, "num_stages": 3},
-            {**w, "block_n": 64, "num_warps": 8, "num_stages": 2},
-            {**w, "block_n": 16, "num_warps": 4, "num_stages": 2},
-            {**w, "block_n": 32, "num_warps": 8, "num_stages": 2, "num_splits": 33},
-            {**w, "block_n": 32, "num_warps": 8, "num_stages": 2, "num_splits": 132}],
-        16: [{"words": False}, {**w, "block_n": 32, "num_warps": 8, "num_stages": 2},
-             {**w, "block_n": 16, "num_warps": 8, "num_stages": 3},
-             {**w, "block_n": 16, "num_warps": 8, "num_stages": 2}],
+        1: [{}, {"block_n": 32, "num_warps": 4, "num_stages": 3}],
+        8: [{}, {"block_n": 16, "num_warps": 4, "num_stages": 1},
+            {"block_n": 16, "num_warps": 4, "num_stages": 2}],
+        16: [{}, {"block_n": 16, "num_warps": 8, "num_stages": 2}],
     }  # fmt: skip
     for t, kws in variants.items():
         prob = Problem(pool, 1, 100_000, t, HQ)

@@ -13,15 +13,19 @@ Why it looks the way it does (numbers: H200, issue 6):
 * KV bytes dominate (520 B per token and KV head at D=256), so the grid is split along the keys
   until it fills the GPU; every KV byte is read once per (request, KV head).
 * The V half of each record starts 260 bytes in, so V rows are only 4-byte aligned; the kernel
-  addresses both K and V from the 16-byte-aligned K view and states the alignment it may assume
-  (``K_ALIGN`` / ``V_ALIGN``, derived from the strides) so the loads are at least 32 bits wide.
+  addresses K and V from the K view and states the alignment it may assume (``K_ALIGN`` /
+  ``V_ALIGN``, derived from the strides), so the loads are 8 / 4 bytes wide, not bytes.
 * int8 -> fp16 is exact; on the GPU it is done with the magic-number trick (one xor, two prmt,
-  two f16x2 subtracts per 4 values) instead of one I2F per value, whose 16/clk/SM throughput is
-  about the rate at which the memory delivers int8 values. The dots then run in fp16 with Q
-  pre-scaled by softmax_scale * log2(e) (bounded |q| * scale < 65504 is assumed), fp32 accumulate.
-* Per-token scales are applied to S (K scale) and to P (V scale), as vLLM does.
+  two f16x2 subtracts per 4 values) instead of one I2F per value (measured 10-15% faster). The
+  dots run in fp16 with Q pre-scaled by softmax_scale * log2(e) (|q| * scale < 65504 assumed),
+  fp32 accumulation. Per-token scales are applied to S (K scale) and to P (V scale), as vLLM does.
 * The number of splits is a launch parameter, and each split's key range is computed on the
   device from seqused_k, so a CUDA graph captured once stays valid as lengths change.
+* Tried and dropped (H200, 100K, T=8): reading K/V through 16-byte-aligned windows (fewer, wider
+  copies; 273 -> 355 us, more registers) and reading int32 words split into 4 interleaved
+  sub-dots (no byte-wise shared-memory re-layout; 273 -> 580-935 us).
+* Known limit: the kernel is register-bound (255 registers, spills at T >= 8 on Triton 3.6),
+  not bandwidth-bound: about 40% of copy bandwidth at T=1 and 20% at T=8 (bench.py).
 """
 
 from __future__ import annotations
@@ -38,8 +42,6 @@ LOG2E = 1.4426950408889634
 # is kept under ~6% of the KV bytes by MIN_SPLIT_TOKENS. Tuned on the H200 (see bench.py).
 CTAS_PER_SM = 2
 MIN_SPLIT_TOKENS = 256
-# int32-word reads (verify_attention_split_words_kernel) instead of int8 tiles.
-WORDS_DEFAULT = False
 
 
 @triton.jit
@@ -107,7 +109,6 @@ def verify_attention_split_kernel(
     K_ALIGN: tl.constexpr,
     V_ALIGN: tl.constexpr,
     USE_ASM: tl.constexpr,
-    WIN: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
     i_s = tl.program_id(0)
@@ -137,45 +138,25 @@ def verify_attention_split_kernel(
     o_hq = i_h * G + o_m % G
     m_row = (o_m < BLOCK_Q * G) & (o_t < q_hi)
     o_d = tl.arange(0, D)
-    o_w = tl.arange(0, 16)
     q_pos = ctx_len + o_t
 
-    # K and V rows are read through 16-byte-aligned windows [rec - shift, rec - shift + D + 16):
-    # K's shift moves Q's columns (once, here), V's shift moves the output columns (epilogue).
-    k_rec = i_h * stride_kv_head
-    v_rec = k_rec + v_off
-    if WIN:
-        k_sh = k_rec % 16
-        v_sh = v_rec % 16
-    else:
-        k_sh = 0
-        v_sh = 0
-    k_win = k_rec - k_sh
-    v_win = v_rec - v_sh
-
-    p_q = q_ptr + (q_start + o_t).to(tl.int64)[:, None] * stride_q_tok + o_hq[:, None] * stride_q_head
-    b_q = tl.load(p_q + (o_d - k_sh)[None, :], mask=m_row[:, None] & (o_d >= k_sh)[None, :], other=0.0)
+    p_q = q_ptr + (q_start + o_t).to(tl.int64)[:, None] * stride_q_tok
+    p_q += o_hq[:, None] * stride_q_head + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_row[:, None], other=0.0)
     b_q = (b_q.to(tl.float32) * qk_scale).to(tl.float16)
-    b_qt = tl.load(p_q + (D + o_w - k_sh)[None, :], mask=m_row[:, None] & (o_w < k_sh)[None, :], other=0.0)
-    b_qt = (b_qt.to(tl.float32) * qk_scale).to(tl.float16)
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    b_acct = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
     p_bt = block_table_ptr + i_b.to(tl.int64) * stride_bt
     for n0 in range(n_start, n_end, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < n_end
         blk = tl.load(p_bt + o_n // PAGE, mask=m_n, other=0).to(tl.int64)
         slot = o_n % PAGE
-        o_row = blk * stride_kv_blk + slot * stride_kv_slot
-        if WIN:
-            o_k = tl.multiple_of(o_row + k_win, 16)
-            o_v = tl.multiple_of(o_row + v_win, 16)
-        else:
-            o_k = tl.multiple_of(o_row + k_win, K_ALIGN)
-            o_v = tl.multiple_of(o_row + v_win, V_ALIGN)
+        o_k = blk * stride_kv_blk + slot * stride_kv_slot + i_h * stride_kv_head
+        o_v = tl.multiple_of(o_k + v_off, V_ALIGN)
+        o_k = tl.multiple_of(o_k, K_ALIGN)
         b_k = tl.load(kv_ptr + o_k[:, None] + o_d[None, :], mask=m_n[:, None], other=0)
         b_v = tl.load(kv_ptr + o_v[:, None] + o_d[None, :], mask=m_n[:, None], other=0)
         b_ks = tl.load(
@@ -189,12 +170,7 @@ def verify_attention_split_kernel(
             other=0.0,
         )
 
-        b_s = tl.dot(b_q, tl.trans(_i8_to_f16(b_k, USE_ASM)))
-        if WIN:
-            m_kt = tl.broadcast_to((m_n & (o_n * 0 + k_sh > 0))[:, None], [BLOCK_N, 16])
-            b_kt = tl.load(kv_ptr + (o_k + D)[:, None] + o_w[None, :], mask=m_kt, other=0)
-            b_s = tl.dot(b_qt, tl.trans(_i8_to_f16(b_kt, USE_ASM)), b_s)
-        b_s = b_s * b_ks[None, :]
+        b_s = tl.dot(b_q, tl.trans(_i8_to_f16(b_k, USE_ASM))) * b_ks[None, :]
         m_vis = m_n[None, :] & (o_n[None, :] <= q_pos[:, None])
         if window > 0:
             m_vis &= (q_pos[:, None] - o_n[None, :]) < window
@@ -207,180 +183,18 @@ def verify_attention_split_kernel(
         b_l = b_l * alpha + tl.sum(b_p, 1)
         b_pv = (b_p * b_vs[None, :]).to(tl.float16)
         b_acc = b_acc * alpha[:, None] + tl.dot(b_pv, _i8_to_f16(b_v, USE_ASM))
-        if WIN:
-            m_vt = tl.broadcast_to((m_n & (o_n * 0 + v_sh > 0))[:, None], [BLOCK_N, 16])
-            b_vt = tl.load(kv_ptr + (o_v + D)[:, None] + o_w[None, :], mask=m_vt, other=0)
-            b_acct = b_acct * alpha[:, None] + tl.dot(b_pv, _i8_to_f16(b_vt, USE_ASM))
-        b_m = m_new
-
-    # Accumulator column c holds output column c - v_sh; tail column c' holds D + c' - v_sh.
-    o_tok = (q_start + o_t).to(tl.int64)
-    m_main = m_row[:, None] & (o_d >= v_sh)[None, :]
-    m_tail = m_row[:, None] & (o_w < v_sh)[None, :]
-    if SPLIT:
-        o_part = (o_tok * tl.num_programs(1) * G + o_hq) * num_splits + i_s
-        p_part = part_acc_ptr + o_part[:, None] * D
-        tl.store(p_part + (o_d - v_sh)[None, :], b_acc, mask=m_main)
-        tl.store(p_part + (D + o_w - v_sh)[None, :], b_acct, mask=m_tail)
-        tl.store(part_ml_ptr + o_part * 2, b_m, mask=m_row)
-        tl.store(part_ml_ptr + o_part * 2 + 1, b_l, mask=m_row)
-    else:
-        b_inv = 1.0 / tl.where(b_l > 0, b_l, 1.0)
-        p_o = out_ptr + o_tok[:, None] * stride_o_tok + o_hq[:, None] * stride_o_head
-        b_o = (b_acc * b_inv[:, None]).to(out_ptr.dtype.element_ty)
-        tl.store(p_o + (o_d - v_sh)[None, :], b_o, mask=m_main)
-        b_ot = (b_acct * b_inv[:, None]).to(out_ptr.dtype.element_ty)
-        tl.store(p_o + (D + o_w - v_sh)[None, :], b_ot, mask=m_tail)
-
-
-@triton.jit
-def _words_to_f16(w, USE_ASM: tl.constexpr):
-    """int32 words of 4 packed int8 -> 4 fp16 tensors (byte 0..3 of each word), exact."""
-    if USE_ASM:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 u, m, c, a0, a1;
-            xor.b32 u, $4, 0x80808080;
-            mov.b32 m, 0x64646464;
-            mov.b32 c, 0x64806480;
-            prmt.b32 a0, u, m, 0x4140;
-            prmt.b32 a1, u, m, 0x4342;
-            sub.f16x2 a0, a0, c;
-            sub.f16x2 a1, a1, c;
-            mov.b32 {$0, $1}, a0;
-            mov.b32 {$2, $3}, a1;
-            }""",
-            constraints="=h,=h,=h,=h,r",
-            args=[w],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True,
-            pack=1,
-        )
-    else:
-        x0 = ((w << 24) >> 24).to(tl.float16)
-        x1 = ((w << 16) >> 24).to(tl.float16)
-        x2 = ((w << 8) >> 24).to(tl.float16)
-        x3 = (w >> 24).to(tl.float16)
-        return x0, x1, x2, x3
-
-
-@triton.jit
-def verify_attention_split_words_kernel(
-    q_ptr, kv_ptr, ks_ptr, vs_ptr, block_table_ptr, seq_lens_ptr, cu_q_ptr,
-    out_ptr, part_acc_ptr, part_ml_ptr,
-    qk_scale, v_off, window, num_splits, num_q_tiles,
-    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
-    stride_kv_blk, stride_kv_slot, stride_kv_head,
-    stride_ks_blk, stride_ks_slot, stride_ks_head,
-    stride_vs_blk, stride_vs_slot, stride_vs_head,
-    stride_bt,
-    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_ASM: tl.constexpr, SPLIT: tl.constexpr,
-):
-    """Same contract as verify_attention_split_kernel, reading K/V as int32 words.
-
-    Dimension d = 4 j + i of a row is byte i of word j, so S = sum_i Q[:, i::4] K_i^T and
-    O[:, i::4] = P V_i: the dots take fp16 operands converted in the load layout, so no int8
-    tile is ever re-laid out byte by byte. Needs 4-byte-aligned rows (vLLM's V rows are).
-    """  # fmt: skip
-    i_s = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_bq = tl.program_id(2)
-    i_b = i_bq // num_q_tiles
-    i_qt = i_bq % num_q_tiles
-    q_start = tl.load(cu_q_ptr + i_b)
-    q_len = tl.load(cu_q_ptr + i_b + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + i_b)
-    ctx_len = seq_len - q_len
-    q_lo = i_qt * BLOCK_Q
-    q_hi = tl.minimum(q_lo + BLOCK_Q, q_len)
-    k_hi = ctx_len + q_hi
-    k_lo = 0
-    if window > 0:
-        k_lo = tl.maximum(ctx_len + q_lo - window + 1, 0)
-    per_split = tl.cdiv(tl.cdiv(tl.maximum(k_hi - k_lo, 0), num_splits), BLOCK_N) * BLOCK_N
-    n_start = k_lo + i_s * per_split
-    n_end = tl.minimum(n_start + per_split, k_hi)
-
-    DW: tl.constexpr = D // 4
-    o_m = tl.arange(0, BLOCK_M)
-    o_t = q_lo + o_m // G
-    o_hq = i_h * G + o_m % G
-    m_row = (o_m < BLOCK_Q * G) & (o_t < q_hi)
-    o_j = tl.arange(0, DW)
-    q_pos = ctx_len + o_t
-    p_q = q_ptr + (q_start + o_t).to(tl.int64)[:, None] * stride_q_tok + o_hq[:, None] * stride_q_head
-    p_q += 4 * o_j[None, :]
-    b_q0 = (tl.load(p_q, mask=m_row[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
-    b_q1 = (tl.load(p_q + 1, mask=m_row[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
-    b_q2 = (tl.load(p_q + 2, mask=m_row[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
-    b_q3 = (tl.load(p_q + 3, mask=m_row[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
-
-    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    b_a0 = tl.zeros([BLOCK_M, DW], dtype=tl.float32)
-    b_a1 = tl.zeros([BLOCK_M, DW], dtype=tl.float32)
-    b_a2 = tl.zeros([BLOCK_M, DW], dtype=tl.float32)
-    b_a3 = tl.zeros([BLOCK_M, DW], dtype=tl.float32)
-    kv32 = kv_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    p_bt = block_table_ptr + i_b.to(tl.int64) * stride_bt
-    for n0 in range(n_start, n_end, BLOCK_N):
-        o_n = n0 + tl.arange(0, BLOCK_N)
-        m_n = o_n < n_end
-        blk = tl.load(p_bt + o_n // PAGE, mask=m_n, other=0).to(tl.int64)
-        slot = o_n % PAGE
-        o_k = (blk * stride_kv_blk + slot * stride_kv_slot + i_h * stride_kv_head) // 4
-        o_v = o_k + v_off // 4
-        b_wk = tl.load(kv32 + o_k[:, None] + o_j[None, :], mask=m_n[:, None], other=0)
-        b_wv = tl.load(kv32 + o_v[:, None] + o_j[None, :], mask=m_n[:, None], other=0)
-        b_ks = tl.load(ks_ptr + blk * stride_ks_blk + slot * stride_ks_slot + i_h * stride_ks_head,
-                       mask=m_n, other=0.0)
-        b_vs = tl.load(vs_ptr + blk * stride_vs_blk + slot * stride_vs_slot + i_h * stride_vs_head,
-                       mask=m_n, other=0.0)
-
-        k0, k1, k2, k3 = _words_to_f16(b_wk, USE_ASM)
-        b_s = tl.dot(b_q0, tl.trans(k0))
-        b_s = tl.dot(b_q1, tl.trans(k1), b_s)
-        b_s = tl.dot(b_q2, tl.trans(k2), b_s)
-        b_s = tl.dot(b_q3, tl.trans(k3), b_s)
-        b_s = b_s * b_ks[None, :]
-        m_vis = m_n[None, :] & (o_n[None, :] <= q_pos[:, None])
-        if window > 0:
-            m_vis &= (q_pos[:, None] - o_n[None, :]) < window
-        b_s = tl.where(m_vis, b_s, float("-inf"))
-        m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        b_p = tl.exp2(b_s - m_safe[:, None])
-        alpha = tl.exp2(b_m - m_safe)
-        b_l = b_l * alpha + tl.sum(b_p, 1)
-        b_pv = (b_p * b_vs[None, :]).to(tl.float16)
-        v0, v1, v2, v3 = _words_to_f16(b_wv, USE_ASM)
-        b_a0 = tl.dot(b_pv, v0, b_a0 * alpha[:, None])
-        b_a1 = tl.dot(b_pv, v1, b_a1 * alpha[:, None])
-        b_a2 = tl.dot(b_pv, v2, b_a2 * alpha[:, None])
-        b_a3 = tl.dot(b_pv, v3, b_a3 * alpha[:, None])
         b_m = m_new
 
     o_tok = (q_start + o_t).to(tl.int64)
     if SPLIT:
-        o_part = (o_tok * tl.num_programs(1) * G + o_hq) * num_splits + i_s
-        p_o = part_acc_ptr + o_part[:, None] * D + 4 * o_j[None, :]
-        tl.store(part_ml_ptr + o_part * 2, b_m, mask=m_row)
-        tl.store(part_ml_ptr + o_part * 2 + 1, b_l, mask=m_row)
+        o_row = (o_tok * tl.num_programs(1) * G + o_hq) * num_splits + i_s
+        tl.store(part_acc_ptr + o_row[:, None] * D + o_d[None, :], b_acc, mask=m_row[:, None])
+        tl.store(part_ml_ptr + o_row * 2, b_m, mask=m_row)
+        tl.store(part_ml_ptr + o_row * 2 + 1, b_l, mask=m_row)
     else:
-        b_inv = 1.0 / tl.where(b_l > 0, b_l, 1.0)
+        b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
         p_o = out_ptr + o_tok[:, None] * stride_o_tok + o_hq[:, None] * stride_o_head
-        p_o += 4 * o_j[None, :]
-        b_a0 *= b_inv[:, None]
-        b_a1 *= b_inv[:, None]
-        b_a2 *= b_inv[:, None]
-        b_a3 *= b_inv[:, None]
-    ty = p_o.dtype.element_ty
-    tl.store(p_o, b_a0.to(ty), mask=m_row[:, None])
-    tl.store(p_o + 1, b_a1.to(ty), mask=m_row[:, None])
-    tl.store(p_o + 2, b_a2.to(ty), mask=m_row[:, None])
-    tl.store(p_o + 3, b_a3.to(ty), mask=m_row[:, None])
+        tl.store(p_o + o_d[None, :], b_o.to(out_ptr.dtype.element_ty), mask=m_row[:, None])
 
 
 @triton.jit
@@ -429,20 +243,6 @@ def _alignment(*byte_offsets: int) -> int:
     return 16 if g == 0 else min(16, g & -g)
 
 
-def _windows_fit(k: torch.Tensor, v: torch.Tensor, head_size: int) -> bool:
-    """Whether rows can be read through 16-byte-aligned windows without leaving the cache.
-
-    Needs a 16-byte-aligned base and block/slot strides; the last head's V window (up to 16
-    bytes past its 4-byte-aligned start) must end inside its own row (vLLM: 2080-byte slots).
-    """
-    sb, ss, sh = k.stride()[:3]
-    if k.data_ptr() % 16 or sb % 16 or ss % 16:
-        return False
-    last_v = (k.shape[2] - 1) * sh + v.data_ptr() - k.data_ptr()
-    shift = last_v % 16
-    return shift == 0 or last_v - shift + head_size + 16 <= last_v + v.shape[-1]
-
-
 def _launch_config(block_m: int) -> dict[str, int]:
     """BLOCK_N / warps / stages per query-tile height (H200 sweep at 100K in bench.py)."""
     if block_m <= 16:
@@ -483,8 +283,6 @@ def verify_attention_fwd(
     num_warps: int | None = None,
     num_stages: int | None = None,
     use_asm: bool | None = None,
-    windowed: bool | None = None,
-    words: bool | None = None,
 ) -> torch.Tensor:
     """Launcher; see ``kernels.verify_attention.verify_attention`` for the contract."""
     num_tokens, num_q_heads, head_size = q.shape
@@ -507,7 +305,6 @@ def verify_attention_fwd(
         use_asm = q.is_cuda and not _interpreting()
 
     v_off = v.data_ptr() - k.data_ptr()
-    windowed = bool(windowed) and _windows_fit(k, v, head_size)
     split = num_splits > 1
     if split:
         part_acc = torch.empty(
@@ -536,14 +333,7 @@ def verify_attention_fwd(
     )  # fmt: skip
     k_align = _alignment(*k.stride()[:3], k.data_ptr())
     v_align = _alignment(*k.stride()[:3], k.data_ptr(), v_off)
-    if words is None:
-        words = WORDS_DEFAULT
-    if words and min(k_align, v_align) >= 4:
-        verify_attention_split_words_kernel[grid](*args, **meta)
-    else:
-        verify_attention_split_kernel[grid](
-            *args, K_ALIGN=k_align, V_ALIGN=v_align, WIN=windowed, **meta
-        )
+    verify_attention_split_kernel[grid](*args, K_ALIGN=k_align, V_ALIGN=v_align, **meta)
     if split:
         block_d = min(head_size, 64)
         block_s = triton.next_power_of_2(num_splits)
