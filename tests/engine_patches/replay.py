@@ -73,6 +73,25 @@ class Engine:
         return list(json.loads(text)["choices"][0]["token_ids"])
 
 
+def teacher_forced_gaps(eng: Engine, prompt: list[int], reply: list[int]) -> list[float]:
+    """Per reply token: the cold (no prefix cache) top log-probability minus the token's own.
+
+    0 where the cached run picked the cold argmax; a small positive gap is a near-tie that
+    floating-point order (chunked prefill vs recurrent decode) may flip; a resumed state that is
+    wrong shows up as large gaps. The seeds' lossless check, with a tolerance instead of a count.
+    """
+    body = {"model": eng.model, "prompt": prompt + reply, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 1}
+    status, text = eng.request("POST", "/v1/completions", body)
+    if status != 200:
+        raise RuntimeError(f"/v1/completions answered {status}: {text[:300]}")
+    rows = json.loads(text)["choices"][0]["prompt_logprobs"][len(prompt) :]
+    gaps = []
+    for token, row in zip(reply, rows, strict=True):
+        top = max(entry["logprob"] for entry in row.values())
+        gaps.append(top - row[str(token)]["logprob"])
+    return gaps
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -197,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.check_outputs:
             cold = [eng.complete(p, len(r), skip_cache=True) for p, r in zip(plain.prompts, plain.replies, strict=True)]
             result["outputs_match_cold"] = cold == plain.replies
+            pairs = zip(plain.prompts, plain.replies, strict=True)
+            gaps = [g for p, r in pairs for g in teacher_forced_gaps(eng, p, r)]
+            result["max_teacher_forced_gap"] = round(max(gaps), 5)
     print(json.dumps(result))
 
 
