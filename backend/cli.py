@@ -23,6 +23,7 @@ app.add_typer(models_app, name="models")
 app.add_typer(profiles_app, name="profiles")
 app.add_typer(patches_app, name="patches")
 app.add_typer(adapters_app, name="adapters")
+app.add_typer(__import__("proxy.bench_fanout", fromlist=["bench_app"]).bench_app, name="bench")
 app.command("doctor")(__import__("backend.doctor", fromlist=["doctor"]).doctor)
 err = Console(stderr=True)
 
