@@ -19,11 +19,12 @@ _SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})
 _LABEL = re.compile(r'(?P<key>[a-zA-Z_][a-zA-Z0-9_]*)="(?P<value>(?:[^"\\]|\\.)*)"')
 
 
-def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """`name -> [(labels, value)]` for every sample line of a Prometheus text exposition."""
+def parse_prometheus(text: str, names: tuple[str, ...] = ()) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """`name -> [(labels, value)]` for the sample lines of a Prometheus text exposition (only those
+    starting with one of `names` when given: vLLM's page is long and is read every second)."""
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
     for line in text.splitlines():
-        if not line or line[0] == "#":
+        if not line or line[0] == "#" or (names and not line.startswith(names)):
             continue
         m = _SAMPLE.match(line)
         if m is None:
@@ -115,9 +116,13 @@ class LiveGauges:
     preemptions: int = 0
 
 
+_READ = ("vllm:cache_config_info", "vllm:kv_cache_usage_perc", "vllm:num_requests_running",
+         "vllm:num_requests_waiting", "vllm:num_preemptions_total")
+
+
 def read_metrics(text: str, shape: ModelShape | None = None,
                  spec_tokens: int = 0) -> tuple[PoolGeometry | None, LiveGauges]:
-    samples = parse_prometheus(text)
+    samples = parse_prometheus(text, _READ)
 
     def total(name: str) -> float:
         return sum(v for _, v in samples.get(name, ()))
