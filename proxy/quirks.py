@@ -144,11 +144,14 @@ def session_ids(headers: Mapping[str, str], body: Mapping[str, Any]) -> SessionI
 
 
 def _dsh_log_ids(log_field: Any) -> tuple[str | None, str | None]:
-    """(session id, parent session id) from a `dsh_session_log` object, if it has them."""
+    """(session id, parent session id) from a `dsh_session_log` (0.2.1: `{session: {id, ...}, events}`)."""
     if not isinstance(log_field, dict):
         return None, None
-    sid = log_field.get("sessionId") or log_field.get("session_id")
-    parent = log_field.get("parentSessionId") or log_field.get("parent_session_id")
+    session = log_field.get("session") if isinstance(log_field.get("session"), dict) else log_field
+    sid = session.get("id") or session.get("sessionId") or session.get("session_id")
+    parent = session.get("parentId") or session.get("parentSessionId") or session.get("parent_session_id")
+    if isinstance(session.get("parent"), dict):
+        parent = parent or session["parent"].get("id")
     return (sid if isinstance(sid, str) else None), (parent if isinstance(parent, str) else None)
 
 

@@ -20,8 +20,13 @@ TURN_2 = "Thanks. Now reply with one short sentence: what is 3 + 3?"
 
 @dataclass(frozen=True)
 class Driver:
-    name: str
+    name: str  # the test id
     home_var: str  # the env var naming the harness' config home
+    adapter: str  # which `hyperharness adapters install` target configures it
+    client: str  # which pinned CLI runs it (harness_adapters.clients)
+
+    def after_install(self, config_home: Path, base_url: str, model: str) -> None:
+        """Changes a test makes on top of what the adapter wrote (none by default)."""
 
     def env(self, root: Path) -> dict[str, str]:
         home = root / "home"
@@ -57,6 +62,25 @@ class DshDriver(Driver):
         return [str(binary), "headless", "--json", "--session-id", dsh_session_id(turn1_stdout), TURN_2]
 
 
+class DshNativeDriver(DshDriver):
+    """DSH's native route (`llm-deepseek`): Anthropic Messages to `{baseURL}/messages`, the wire shape the
+    issue recorded (`thinking` without a budget, `output_config`, `dsh_session_log`, `x-api-key`). The
+    adapter writes route A; this switches the default model to the native route on the same proxy."""
+
+    def after_install(self, config_home: Path, base_url: str, model: str) -> None:
+        import yaml
+
+        path = config_home / "cordis.patch.yml"
+        patches = [p for p in yaml.safe_load(path.read_text()) if p.get("id") != "agent-default-model"]
+        patches += [
+            {"id": "llm-deepseek", "config": {"baseURL": base_url, "apiKeyEnv": "HYPERHARNESS_API_KEY",
+                                              "maxTokens": 48, "defaultContextWindow": 65536,
+                                              "models": [{"id": model, "contextWindow": 65536}]}},
+            {"id": "agent-default-model", "config": {"provider": "deepseek-official", "model": model}},
+        ]
+        path.write_text(yaml.safe_dump(patches, sort_keys=False))
+
+
 def dsh_session_id(stdout: str) -> str:
     """The session id from `dsh headless --json` run events (newline-delimited JSON)."""
     for line in stdout.splitlines():
@@ -85,17 +109,21 @@ class PiDriver(Driver):
 
 
 class HermesDriver(Driver):
+    """`hermes -z` (oneshot) cannot resume a session (`--continue -z` starts a new one, seen in 0.19), so
+    both turns use the CLI's single-query mode, which can."""
+
     def turn1(self, binary: Path) -> list[str]:
-        return [str(binary), "-z", TURN_1]
+        return [str(binary), "chat", "-Q", "-q", TURN_1]
 
     def turn2(self, binary: Path, turn1_stdout: str, root: Path) -> list[str]:
-        return [str(binary), "--continue", "-z", TURN_2]
+        return [str(binary), "chat", "-Q", "--continue", "-q", TURN_2]
 
 
 DRIVERS: dict[str, Driver] = {
-    "dsh": DshDriver("dsh", "DSH_HOME"),
-    "pi": PiDriver("pi", "PI_CODING_AGENT_DIR"),
-    "hermes": HermesDriver("hermes", "HERMES_HOME"),
+    "dsh": DshDriver("dsh", "DSH_HOME", "dsh", "dsh"),
+    "dsh-native": DshNativeDriver("dsh-native", "DSH_HOME", "dsh", "dsh"),
+    "pi": PiDriver("pi", "PI_CODING_AGENT_DIR", "pi", "pi"),
+    "hermes": HermesDriver("hermes", "HERMES_HOME", "hermes", "hermes"),
 }
 
 

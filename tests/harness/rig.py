@@ -100,6 +100,7 @@ class Recorder:
         self.app = app
         self.engine_url = engine_url
         self.exchanges: list[Exchange] = []
+        self._pending: set[asyncio.Task[None]] = set()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -134,10 +135,30 @@ class Recorder:
                     ex.usage = usage_of(bytes(out))
             await send(msg)
 
-        await self.app(scope, rec_receive, rec_send)
-        if counting:
+        try:
+            await self.app(scope, rec_receive, rec_send)
+        finally:
+            if counting:
+                # A task of its own: when the client leaves right after [DONE] (Pi does), the server
+                # cancels this request's task, which must not cancel the measurement.
+                task = asyncio.get_running_loop().create_task(self._count(ex, q0, h0))
+                self._pending.add(task)
+                task.add_done_callback(self._pending.discard)
+
+    async def settle(self) -> None:
+        """Wait for the measurements still running (call before reading `engine_*`)."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+    async def _count(self, ex: Exchange, q0: float, h0: float) -> None:
+        """Runs even when the client left right after the last chunk (Pi exits on [DONE])."""
+        # vLLM updates the counters a moment after the last token is sent: wait for them to move.
+        for _ in range(50):
             q1, h1 = await engine_counters(self.engine_url)  # type: ignore[arg-type]
-            ex.engine_queries, ex.engine_hits = q1 - q0, h1 - h0
+            if q1 > q0 or ex.status not in (0, 200):
+                break
+            await asyncio.sleep(0.1)
+        ex.engine_queries, ex.engine_hits = q1 - q0, h1 - h0
 
     def model_calls(self, start: int = 0) -> list[Exchange]:
         return [e for e in self.exchanges[start:] if e.method == "POST" and e.path in MODEL_PATHS]

@@ -60,7 +60,9 @@ def shape(ex: Exchange) -> dict[str, Any]:
 
 
 def shapes(exchanges: list[Exchange], turn2_from: int) -> list[dict[str, Any]]:
-    return [{"turn": 1 if i < turn2_from else 2, **shape(ex)} for i, ex in enumerate(exchanges)]
+    """Shapes of what the harness sent (the test's own /metrics reads left out)."""
+    return [{"turn": 1 if i < turn2_from else 2, **shape(ex)} for i, ex in enumerate(exchanges)
+            if ex.path != "/metrics"]
 
 
 def as_chat(ex: Exchange) -> dict[str, Any]:
@@ -92,10 +94,11 @@ def to_replay_trace(session: str, exchanges: list[Exchange]) -> str:
     first_ex, first = main[0]
     msgs = first["messages"]
     system = next((m for m in msgs if m.get("role") in ("system", "developer")), {"role": "system", "content": ""})
+    # DSH sends the task and a "runtime context" snapshot as two user messages: keep both, as one.
     users = [m for m in msgs if m.get("role") == "user"]
     events.append({"session": session, "start": {
         "system": _text(system.get("content")), "system_role": system.get("role", "system"),
-        "tools": first.get("tools") or [], "user": _text(users[-1]["content"]) if users else "",
+        "tools": first.get("tools") or [], "user": "\n\n".join(_text(u.get("content")) for u in users),
         "thinking": bool((first.get("chat_template_kwargs") or {}).get("enable_thinking", True)),
         "client": _client_kind([req for _, req in main]),
         "headers": {k: v for k, v in first_ex.headers.items() if k in SESSION_HEADERS or k == "x-harness"},

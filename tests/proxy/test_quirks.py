@@ -50,6 +50,9 @@ def test_session_ids_headers_first_then_body() -> None:
 def test_session_ids_from_dsh_session_log() -> None:
     body = {"dsh_session_log": {"sessionId": "child", "parentSessionId": "parent"}}
     assert quirks.session_ids({}, body) == quirks.SessionIds("child", "parent", "dsh_session_log")
+    seen = {"version": 1, "session": {"version": 4, "id": "session-4ace", "cwd": "/w"}, "events": []}  # 0.2.1
+    assert quirks.session_ids({}, {"dsh_session_log": seen}) == quirks.SessionIds("session-4ace", None,
+                                                                                   "dsh_session_log")
 
 
 # --- priority classes --------------------------------------------------------------------------------
