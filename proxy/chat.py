@@ -341,6 +341,7 @@ class ChatTurn:
             if rest:
                 yield writer.deltas(rest)
             for index, sent, final in gate.mismatches:
+                svc.metrics.argument_mismatches.inc()
                 log.error("tool call %d: streamed arguments %r differ from parsed %r", index, sent, final)
             yield writer.finish(finish, self.generated if ids_out else None)
             if self.plan.norm.include_usage:

@@ -121,55 +121,39 @@ class ChunkWriter:
 
 
 class ArgumentsGate:
-    """Releases a tool call's argument fragments only once they form a complete JSON object, and the
-    parser's final arguments for any call still open at the end.
+    """Checks streamed tool-call argument fragments against the parser's final arguments.
 
-    Why: a client that concatenates streamed fragments must end with exactly the arguments of the
-    non-streaming result. The parser's fragments are meant to be stable prefixes, but if one ever is
-    not (it happened: XML markup leaked into a fragment), a client would get broken JSON mid-stream
-    and nothing could take it back. Gating per call costs only argument-level incrementality; the
-    call's id and name still stream as soon as they are known.
+    Fragments stream through as they come (incremental `tool_calls`); at the end, a call that got
+    no fragment gets its final arguments, and a call whose concatenated fragments differ from the
+    final (non-streaming) arguments is reported in `mismatches` (logged and counted by the caller).
+    Why: a client that concatenates fragments must end with exactly the non-streaming arguments;
+    an early parser once leaked XML markup into fragments, and that must not go unnoticed again.
     """
 
     def __init__(self) -> None:
-        self._pending: dict[int, str] = {}
         self._sent: dict[int, str] = {}
+        self.mismatches: list[tuple[int, str, str]] = []
 
     def filter(self, deltas: list[Delta]) -> list[Delta]:
-        if not any(d.kind is DeltaKind.ARGUMENTS for d in deltas):
-            return deltas
-        out = []
         for d in deltas:
-            if d.kind is not DeltaKind.ARGUMENTS:
-                out.append(d)
-                continue
-            if d.index in self._sent:
-                continue
-            text = self._pending.get(d.index, "") + d.text
-            self._pending[d.index] = text
-            if text.rstrip().endswith("}") and _is_object(text):
-                out.append(Delta(DeltaKind.ARGUMENTS, text, index=d.index))
-                self._sent[d.index] = text
-                del self._pending[d.index]
-        return out
+            if d.kind is DeltaKind.ARGUMENTS:
+                self._sent[d.index] = self._sent.get(d.index, "") + d.text
+        return deltas
 
     def flush(self, parsed: ParsedOutput) -> list[Delta]:
-        """Final arguments for calls not yet released; mismatches with released ones are returned
-        as (index, sent, final) in `mismatches` for logging."""
         out = []
-        self.mismatches: list[tuple[int, str, str]] = []
         for i, call in enumerate(parsed.tool_calls):
             sent = self._sent.get(i)
             if sent is None:
                 out.append(Delta(DeltaKind.ARGUMENTS, call.arguments, index=i))
-            elif json.loads(sent) != json.loads(call.arguments or "{}"):
+            elif not _same_json(sent, call.arguments or "{}"):
                 self.mismatches.append((i, sent, call.arguments))
         return out
 
 
-def _is_object(text: str) -> bool:
+def _same_json(a: str, b: str) -> bool:
     try:
-        return isinstance(json.loads(text), dict)
+        return bool(json.loads(a) == json.loads(b))
     except ValueError:
         return False
 

@@ -51,6 +51,11 @@ class Metrics:
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
             registry=r,
         )
+        self.argument_mismatches = Counter(
+            f"{ns}_tool_argument_mismatches",
+            "Streamed tool-call arguments that differ from the final parse (a parser defect)",
+            registry=r,
+        )
         self.warmups = Counter(f"{ns}_warmups", "Next-turn warm-up prefills", ["outcome"], registry=r)
         self.sessions = Gauge(f"{ns}_store_sessions", "Sessions held by the transcript store", registry=r)
         self.inflight = Gauge(f"{ns}_inflight_requests", "Requests being served", registry=r)

@@ -53,13 +53,17 @@ def test_finish_reason() -> None:
     assert finish_reason("length", True) == "length"
 
 
-def test_gate_releases_complete_objects_and_repairs_broken_fragments() -> None:
+def test_gate_streams_fragments_and_reports_mismatches() -> None:
     gate = ArgumentsGate()
     good = [Delta(DeltaKind.ARGUMENTS, t, index=0) for t in ('{"a": ', "1", "}")]
-    released = [d for part in good for d in gate.filter([part])]
-    assert [d.text for d in released] == ['{"a": 1}']
+    assert [d.text for part in good for d in gate.filter([part])] == ['{"a": ', "1", "}"]  # incremental
     broken = [Delta(DeltaKind.ARGUMENTS, t, index=1) for t in ('{"p": "', "x", "\\n</parameter")]
-    assert [d for part in broken for d in gate.filter([part])] == []
-    final = ParsedOutput(None, None, (ToolCall("call_0", "f", '{"a": 1}'), ToolCall("call_1", "g", '{"p": "x"}')))
-    assert [(d.index, d.text) for d in gate.flush(final)] == [(1, '{"p": "x"}')]
-    assert gate.mismatches == []
+    for part in broken:
+        gate.filter([part])
+    final = ParsedOutput(
+        None,
+        None,
+        (ToolCall("call_0", "f", '{"a": 1}'), ToolCall("call_1", "g", '{"p": "x"}'), ToolCall("call_2", "h", "{}")),
+    )
+    assert [(d.index, d.text) for d in gate.flush(final)] == [(2, "{}")]  # a call with no fragment
+    assert [m[0] for m in gate.mismatches] == [1]
