@@ -152,7 +152,7 @@ def load_yaml(text: str | None, path: Path) -> dict[str, Any]:
 
 
 def dump_yaml(data: Mapping[str, Any]) -> str:
-    return yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=False, allow_unicode=True)
+    return str(yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=False, allow_unicode=True))
 
 
 def load_json(text: str | None, path: Path) -> dict[str, Any]:

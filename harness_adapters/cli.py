@@ -1,4 +1,5 @@
 """`hyperharness adapters install|show|remove {dsh,pi,hermes}`."""
+# ruff: noqa: B008  (typer declares options as call defaults, as backend/cli.py does)
 
 from __future__ import annotations
 

@@ -26,7 +26,14 @@ from typing import Any
 import yaml
 
 from harness_adapters.base import (
-    KEY_ENV, PROVIDER_ID, AdapterError, FileChange, Target, key_change, key_removal, read_text,
+    KEY_ENV,
+    PROVIDER_ID,
+    AdapterError,
+    FileChange,
+    Target,
+    key_change,
+    key_removal,
+    read_text,
 )
 
 SETTINGS = "cordis.patch.yml"
@@ -74,7 +81,8 @@ class DshAdapter:
         route = entry(patches, "llm-pi-ai")
         config = route.setdefault("config", {}) or {}
         route["config"] = config
-        providers = config.get("providers") if isinstance(config.get("providers"), dict) else {}
+        existing = config.get("providers")
+        providers: dict[str, Any] = existing if isinstance(existing, dict) else {}
         providers[PROVIDER_ID] = self.provider(target)
         config["providers"] = providers
         entry(patches, "agent-default-model")["config"] = {"provider": PROVIDER_ID, "model": target.model}
@@ -138,4 +146,4 @@ def entry(patches: list[dict[str, Any]], target_id: str) -> dict[str, Any]:
 def dump_patches(patches: list[dict[str, Any]]) -> str:
     if not patches:
         return "[]\n"
-    return HEADER + yaml.safe_dump(patches, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    return HEADER + str(yaml.safe_dump(patches, sort_keys=False, default_flow_style=False, allow_unicode=True))

@@ -2,7 +2,8 @@
 
 A named provider (`providers.hyperharness`, selected as `custom:hyperharness`) rather than the bare
 `model.base_url` form, because only named providers carry `extra_headers` and an output cap:
-- `max_output_tokens` (and `model.max_tokens`, the one `hermes -z` reads): without it Hermes asks for `max_tokens` = the whole context (65,536 on a 64K
+- `max_output_tokens` (and `model.max_tokens`, the one `hermes -z` reads): without it Hermes asks for
+  `max_tokens` = the whole context (65,536 on a 64K
   model), which vLLM refuses and Hermes misreads as "prompt too long" (hermes-agent#49686, #102494);
   the proxy also caps it (proxy/quirks.py), this keeps the request honest;
 - `model.context_length`: the window from the proxy's /v1/models; Hermes refuses a main or auxiliary
@@ -21,7 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from harness_adapters.base import (
-    KEY_ENV, PROVIDER_ID, FileChange, Target, dump_yaml, key_change, key_removal, load_yaml, read_text,
+    KEY_ENV,
+    PROVIDER_ID,
+    FileChange,
+    Target,
+    dump_yaml,
+    key_change,
+    key_removal,
+    load_yaml,
+    read_text,
 )
 
 CONFIG = "config.yaml"
@@ -32,7 +41,9 @@ class HermesAdapter:
     name = "hermes"
 
     def home(self, env: Mapping[str, str]) -> Path:
-        return Path(env["HERMES_HOME"]) if env.get("HERMES_HOME") else Path(env.get("HOME", "~")).expanduser() / ".hermes"
+        if env.get("HERMES_HOME"):
+            return Path(env["HERMES_HOME"])
+        return Path(env.get("HOME", "~")).expanduser() / ".hermes"
 
     def provider(self, target: Target) -> dict[str, Any]:
         return {
@@ -50,10 +61,12 @@ class HermesAdapter:
         path = home / CONFIG
         before = read_text(path)
         data = load_yaml(before, path)
-        providers = data.get("providers") if isinstance(data.get("providers"), dict) else {}
+        existing = data.get("providers")
+        providers: dict[str, Any] = existing if isinstance(existing, dict) else {}
         providers[PROVIDER_ID] = self.provider(target)
         data["providers"] = providers
-        model = data.get("model") if isinstance(data.get("model"), dict) else {}
+        current = data.get("model")
+        model: dict[str, Any] = current if isinstance(current, dict) else {}
         # `max_tokens` here too: `hermes -z` (oneshot) reads the output cap from `model.max_tokens` only.
         model.update({"provider": SELECTOR, "default": target.model, "context_length": target.context_window,
                       "max_tokens": target.max_output})

@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from harness_adapters.base import (
-    KEY_ENV, PROVIDER_ID, FileChange, Target, dump_json, load_json, read_text,
+    KEY_ENV,
+    PROVIDER_ID,
+    FileChange,
+    Target,
+    dump_json,
+    load_json,
+    read_text,
 )
 
 MODELS = "models.json"

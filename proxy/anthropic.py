@@ -76,7 +76,8 @@ def _user_messages(content: Any, where: str) -> list[dict[str, Any]]:
         return [{"role": "user", "content": content}]
     if not isinstance(content, list):
         raise InvalidRequest(f"{where}.content: expected a string or a list of blocks", param=where)
-    tools, parts = [], []
+    tools: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
     for i, block in enumerate(content):
         if not isinstance(block, dict):
             raise InvalidRequest(f"{where}.content.{i}: expected an object", param=where)
@@ -224,7 +225,8 @@ def _arguments(text: Any) -> dict[str, Any]:
 
 
 def event(name: str, data: dict[str, Any]) -> bytes:
-    return f"event: {name}\ndata: ".encode() + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return f"event: {name}\ndata: {payload}\n\n".encode()
 
 
 def chat_events(chunks: Iterable[bytes]) -> Iterable[dict[str, Any]]:
@@ -249,9 +251,11 @@ class MessageStream:
         self.usage: dict[str, Any] | None = None
 
     def start(self) -> bytes:
-        message = {"id": message_id(), "type": "message", "role": "assistant", "model": self.model, "content": [],
-                   "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}
+        message: dict[str, Any] = {
+            "id": message_id(), "type": "message", "role": "assistant", "model": self.model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+        }
         return event("message_start", {"type": "message_start", "message": message})
 
     def _switch(self, key: str, block: dict[str, Any]) -> list[bytes]:
@@ -278,7 +282,8 @@ class MessageStream:
     def feed(self, chunk: dict[str, Any]) -> list[bytes]:
         if chunk.get("error"):
             err = chunk["error"]
-            return [event("error", {"type": "error", "error": {"type": "api_error", "message": err.get("message", "")}})]
+            error = {"type": "api_error", "message": err.get("message", "")}
+            return [event("error", {"type": "error", "error": error})]
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         out: list[bytes] = []

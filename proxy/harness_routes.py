@@ -83,6 +83,7 @@ def harness_router() -> APIRouter:
     async def files(request: Request) -> Response:
         exc = quirks.files_refused()
         _services(request).metrics.requests.labels("files", str(exc.status)).inc()
+        quirk_log(_services(request)).applied.labels("files_refused").inc()
         return _json(exc.body(), exc.status)
 
     for path in quirks.PROBE_PATHS:
@@ -92,6 +93,7 @@ def harness_router() -> APIRouter:
 
 async def _probe(request: Request) -> Response:
     status, body = quirks.probe_answer(request.url.path, ENGINE_VERSION)
+    quirk_log(_services(request)).applied.labels("server_probe").inc()
     return _json(body, status)
 
 
@@ -100,6 +102,7 @@ async def _messages(services: Any, request: Request) -> Response:
         raise ProxyError("/v1/messages needs the proxy's chat format (start it with --model-dir)")
     started = time.perf_counter()
     chat = anthropic.to_chat_request(await _read_body(request))
+    quirk_log(services).applied.labels("anthropic_messages").inc()
     chat, headers = await chat_request(services, chat, request.headers, route="messages")
     turn = await services.chat.prepare(chat, headers)
     model = services.settings.model_name

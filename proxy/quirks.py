@@ -147,7 +147,8 @@ def _dsh_log_ids(log_field: Any) -> tuple[str | None, str | None]:
     """(session id, parent session id) from a `dsh_session_log` (0.2.1: `{session: {id, ...}, events}`)."""
     if not isinstance(log_field, dict):
         return None, None
-    session = log_field.get("session") if isinstance(log_field.get("session"), dict) else log_field
+    inner = log_field.get("session")
+    session: dict[str, Any] = inner if isinstance(inner, dict) else log_field
     sid = session.get("id") or session.get("sessionId") or session.get("session_id")
     parent = session.get("parentId") or session.get("parentSessionId") or session.get("parent_session_id")
     if isinstance(session.get("parent"), dict):
@@ -199,7 +200,7 @@ def thinking_switch(body: Mapping[str, Any]) -> bool | None:
         return bool(body["think"])
     thinking = body.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled", "adaptive"):
-        return thinking["type"] != "disabled"
+        return bool(thinking["type"] != "disabled")
     for effort in (body.get("reasoning_effort"), _nested(body, "output_config", "effort"),
                    _nested(body, "reasoning", "effort")):
         if isinstance(effort, str) and effort:
@@ -303,8 +304,9 @@ def prepare_chat(body: dict[str, Any], headers: Mapping[str, str], *, max_model_
         applied.append("side_session")
     hdrs[PRIORITY_HEADER] = priority
     if quirk_log is not None:
-        messages = body.get("messages") if isinstance(body.get("messages"), list) else []
-        tools = body.get("tools") if isinstance(body.get("tools"), list) else None
+        raw_messages, raw_tools = body.get("messages"), body.get("tools")
+        messages: list[dict[str, Any]] = raw_messages if isinstance(raw_messages, list) else []
+        tools: list[dict[str, Any]] | None = raw_tools if isinstance(raw_tools, list) else None
         try:
             session = identify(hdrs, body, messages, tools_key(tools))
         except (TypeError, ValueError):

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from proxy.app import create_app
 from proxy.settings import Settings
 from proxy.store.memory import MemoryStore
@@ -248,7 +249,7 @@ async def run_cli(argv: list[str], *, env: Mapping[str, str], cwd: Path, timeout
                                                 start_new_session=True)
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         os.killpg(proc.pid, 9)
         out, err = await proc.communicate()
         proc.returncode = 124
@@ -265,6 +266,7 @@ async def adapters_install(harness: str, rig: Rig, home: Path, *, max_output: in
     """`hyperharness adapters install` as a user runs it (a subprocess: it calls the proxy synchronously)."""
     import sys
 
-    argv = [sys.executable, "-c", "from backend.cli import main; main()", "adapters", "install", harness, "--base-url", rig.url + "/v1",
+    argv = [sys.executable, "-c", "from backend.cli import main; main()", "adapters", "install", harness,
+            "--base-url", rig.url + "/v1",
             "--key-file", str(rig.key_file), "--home", str(home), "--max-output", str(max_output)]
     return await run_cli(argv, env=os.environ, cwd=Path.cwd(), timeout_s=120, log=log)

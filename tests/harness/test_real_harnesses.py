@@ -35,7 +35,8 @@ pytestmark = [pytest.mark.harness, pytest.mark.engine, pytest.mark.asyncio(loop_
 
 MAX_OUTPUT = 48
 TURN_TIMEOUT_S = 600
-OUT_DIR = Path(os.environ.get("HYPERHARNESS_TEST_LOGS", Path(__file__).resolve().parents[2] / ".run" / "test-logs")) / "harness"
+LOGS = Path(os.environ.get("HYPERHARNESS_TEST_LOGS", Path(__file__).resolve().parents[2] / ".run" / "test-logs"))
+OUT_DIR = LOGS / "harness"
 # Cache-hit floor for the second turn's first model call: its prompt is the first turn's prompt + output
 # + a new user message; all but the new tail (and the last partial block) must come from the cache.
 MIN_HIT_RATIO = 0.5
@@ -63,7 +64,7 @@ async def test_two_turns_one_session(name: str, rig: Rig, tmp_path: Path) -> Non
     start = len(rig.recorder.exchanges)
     q_start = len(rig.quirk_log())
 
-    hits_before = await transcript_hits(rig)
+    hits_before, quirks_before = await transcript_hits(rig), await quirk_counts(rig)
     first = await run_cli(driver.turn1(exe), env=env, cwd=work, timeout_s=TURN_TIMEOUT_S, log=log)
     assert first.returncode == 0, f"turn 1 failed (see {log}):\n{first.stderr[-3000:]}"
     mid, q_mid = len(rig.recorder.exchanges), len(rig.quirk_log())
@@ -95,7 +96,8 @@ async def test_two_turns_one_session(name: str, rig: Rig, tmp_path: Path) -> Non
         "harness": name,
         "turn_seconds": [round(first.seconds, 1), round(second.seconds, 1)],
         "session": {"key": main2[0].session.key, "source": main2[0].session.source},
-        "quirks": sorted({q for i in infos for q in i.quirks}),
+        "quirks": {k: v - quirks_before.get(k, 0) for k, v in (await quirk_counts(rig)).items()
+                   if v > quirks_before.get(k, 0)},
         "priorities": [i.priority for i in infos],
         "transcript_hits": {"turn1": hits_mid - hits_before, "turn2": hits_end - hits_mid},
         "turn2_first_call": {"prompt_tokens": follow.prompt_tokens, "engine_queried": follow.engine_queries,
@@ -114,3 +116,11 @@ async def transcript_hits(rig: Rig) -> float:
         text = (await c.get(rig.url + "/metrics", headers={"authorization": f"Bearer {KEY}"})).text
     found = re.search(r'^hyperharness_proxy_transcript_lookups_total\{outcome="hit"\} ([0-9.e+]+)', text, re.M)
     return float(found.group(1)) if found else 0.0
+
+
+async def quirk_counts(rig: Rig) -> dict[str, float]:
+    """`hyperharness_proxy_quirks_applied_total` by quirk name."""
+    async with httpx.AsyncClient() as c:
+        text = (await c.get(rig.url + "/metrics", headers={"authorization": f"Bearer {KEY}"})).text
+    found = re.findall(r'^hyperharness_proxy_quirks_applied_total\{quirk="([^"]+)"\} ([0-9.e+]+)', text, re.M)
+    return {name: float(value) for name, value in found}

@@ -105,7 +105,7 @@ def to_replay_trace(session: str, exchanges: list[Exchange]) -> str:
         "max_tokens": first.get("max_tokens") or first.get("max_completion_tokens") or 48,
     }})
     seen = len(msgs)
-    for ex, req in calls[calls.index((first_ex, first)) + 1:]:
+    for _, req in calls[calls.index((first_ex, first)) + 1:]:
         messages = req.get("messages") or []
         if is_summary_request(req):
             events.append({"session": session, "side": {"user": _text(messages[-1].get("content")) if messages else "",

@@ -95,7 +95,8 @@ def test_tool_result_error_flag() -> None:
 def test_response_translation() -> None:
     completion = {"choices": [{"finish_reason": "tool_calls", "message": {
         "role": "assistant", "content": "Reading.", "reasoning_content": "hmm",
-        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "read", "arguments": '{"path":"a"}'}}]}}],
+        "tool_calls": [{"id": "call_1", "type": "function",
+                        "function": {"name": "read", "arguments": '{"path":"a"}'}}]}}],
         "usage": {"prompt_tokens": 100, "completion_tokens": 9, "prompt_tokens_details": {"cached_tokens": 64}}}
     msg = am.to_message(completion, "hh")
     assert [b["type"] for b in msg["content"]] == ["thinking", "text", "tool_use"]
