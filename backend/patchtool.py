@@ -197,6 +197,9 @@ def _revert_stale(root: Path, series: Series) -> None:
     if all(current.get(r.name) == r.read_bytes() for r in records):
         return
     for record in reversed(records):
+        if _git_apply(root, record, "--check").returncode == 0:
+            record.unlink()  # the package was reinstalled under the record: nothing to take out
+            continue
         result = _git_apply(root, record, "--reverse")
         if result.returncode != 0:
             typer.echo(f"stale {record.name} no longer reverts: {result.stderr.strip()}", err=True)

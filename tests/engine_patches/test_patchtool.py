@@ -139,3 +139,13 @@ def test_edited_series_replaces_the_recorded_version(
     assert "HYPERHARNESS_EOT_STATE=0: upstream." in patched
     assert _invoke("revert", "--target", str(pristine), "--series-dir", str(patches))[0] == 0
     assert not list((pristine / patchtool.RECORD_DIR).glob("*.patch"))
+
+
+def test_reinstalled_package_with_old_records_is_patched_again(pristine: Path, series: Series) -> None:
+    # pip reinstalls vllm's files but leaves our record folder (not in its RECORD) behind.
+    records = pristine / patchtool.RECORD_DIR
+    records.mkdir()
+    (records / "0001-prefix-old-version.patch").write_bytes(series.patches[0].read_bytes())
+    code, out = _invoke("apply", "--ensure", "--target", str(pristine))
+    assert code == 0, out
+    assert sorted(p.name for p in records.glob("*.patch")) == [p.name for p in series.patches]
