@@ -142,8 +142,13 @@ class EventStream:
             self._resp.release()
 
 
+# The client's credential is for the proxy; the engine has its own key (set on the session), which a
+# forwarded Authorization header would override.
+_CLIENT_CREDENTIALS = frozenset({"authorization", "x-api-key"})
+
+
 def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS | _CLIENT_CREDENTIALS}
 
 
 class Upstream:
