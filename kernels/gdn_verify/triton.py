@@ -26,7 +26,7 @@ import triton.language as tl
 
 
 
-def _default_config(batch: int) -> tuple[int, ...]:
+def _default_config(batch: int, state_dtype: torch.dtype) -> tuple[int, ...]:
     """(BV, num_warps[, maxnreg]).  One warp holding a [K, 8] tile: 16 lanes along K and 2 along V,
     so a K reduction is 8 in-thread adds and 4 shuffle rounds, and no cross-warp traffic."""
     return (8, 1)
@@ -249,7 +249,7 @@ def gdn_verify_fwd(
             a, b = a.contiguous(), b.contiguous()
             a, *sab = _dense(a, "a", 1)
         o = out if out is not None else torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
-    BV, num_warps, *maxnreg = config if config is not None else _default_config(B)
+    BV, num_warps, *maxnreg = config if config is not None else _default_config(B, state.dtype)
     extra = {"maxnreg": maxnreg[0]} if maxnreg else {}
     BV = min(BV, triton.next_power_of_2(V))
     grid = (triton.cdiv(V, BV), B * HV)
