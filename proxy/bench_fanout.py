@@ -129,7 +129,7 @@ def _gauge(text: str, name: str) -> float:
 class Load:
     model: str
     subagents: int = 8
-    sub_words: int = 55  # distinct task text per subagent
+    sub_words: int = 32  # distinct task text per subagent: ~155-token prompts, 5 blocks
     system_words: int = 20  # shared by every subagent of one mode
     sub_tokens: int = 128
     main_words: int = 25
