@@ -40,6 +40,7 @@ class Queued(Generic[T]):
     every_s: float
 
     async def sse(self, stream: Callable[[T], AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+        streaming = False
         try:
             while True:
                 done, _ = await asyncio.wait({self.work}, timeout=self.every_s)
@@ -52,12 +53,37 @@ class Queued(Generic[T]):
                 yield b"data: " + json.dumps(error_body(exc.message, exc.type, code=exc.code)).encode() + b"\n\n"
                 yield b"data: [DONE]\n\n"
                 return
+            streaming = True
             async for chunk in stream(turn):
                 yield chunk
         finally:
             # A client gone while queued: Starlette cancels this generator; take the request out too.
             if not self.work.done():
                 self.work.cancel()
+            elif not streaming and not self.work.cancelled() and self.work.exception() is None:
+                # Admitted in the same instant the client left: run its stream's cleanup (seat, upstream)
+                # in a task of its own, since this one is being cancelled.
+                _spawn_drain(stream(self.work.result()))
+
+
+_draining: set[asyncio.Task[None]] = set()
+
+
+def _spawn_drain(body: AsyncIterator[bytes]) -> None:
+    async def drain() -> None:
+        agen = aiter(body)
+        try:
+            await anext(agen)  # start it, so that closing it runs its finally
+        except StopAsyncIteration:
+            return
+        finally:
+            aclose = getattr(agen, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    task = asyncio.get_running_loop().create_task(drain())
+    _draining.add(task)
+    task.add_done_callback(_draining.discard)
 
 
 async def hold(work: Awaitable[T], *, stream: bool, is_disconnected: Callable[[], Awaitable[bool]],

@@ -367,3 +367,26 @@ async def test_http_429_with_retry_after_and_keepalive() -> None:
     body = b"".join(queued_chunks)
     assert body.startswith(KEEPALIVE) and body.rstrip().endswith(b"data: [DONE]")
     assert s.running == 0 and len(s.queue) == 0
+
+
+async def test_hold_admitted_as_the_client_leaves_still_cleans_up() -> None:
+    gate: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    s = Scheduler(SchedulerConfig(keepalive_after_s=0.0, keepalive_every_s=0.05))
+    held = await hold(gate, stream=True, is_disconnected=_never_disconnected, admission=s)
+    assert isinstance(held, Queued)
+    closed: list[str] = []
+
+    async def body(text: str) -> AsyncIterator[bytes]:
+        try:
+            yield b"role"
+            yield text.encode()
+        finally:
+            closed.append(text)
+
+    it = held.sse(body)
+    assert await it.__anext__() == KEEPALIVE
+    gate.set_result("turn")  # admitted ...
+    await it.aclose()  # ... while the client goes away at the keep-alive
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert closed == ["turn"]
