@@ -11,7 +11,9 @@ from rich.table import Table
 
 from . import geometry
 from .models import REGISTRY, ModelPrepError, prepare_model
+from .doctor import doctor
 from .patchtool import app as patches_app
+from proxy.bench_fanout import bench_app
 from harness_adapters.cli import app as adapters_app
 from .profiles import ProfileError, available_profiles, load_profile
 
@@ -23,8 +25,8 @@ app.add_typer(models_app, name="models")
 app.add_typer(profiles_app, name="profiles")
 app.add_typer(patches_app, name="patches")
 app.add_typer(adapters_app, name="adapters")
-app.add_typer(__import__("proxy.bench_fanout", fromlist=["bench_app"]).bench_app, name="bench")
-app.command("doctor")(__import__("backend.doctor", fromlist=["doctor"]).doctor)
+app.add_typer(bench_app, name="bench")
+app.command("doctor")(doctor)
 err = Console(stderr=True)
 
 
@@ -63,6 +65,23 @@ def serve(
         err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
     raise typer.Exit(code)
+
+
+@app.command()
+def replay(
+    traces: list[Path] = typer.Argument(None, help="JSONL agent traces (default: the three bundled ones)"),
+    base_url: str = typer.Option(..., help="the proxy, e.g. http://127.0.0.1:8000"),
+    direct_url: str = typer.Option(None, help="vLLM itself, replayed through its own chat endpoint in the same run"),
+    model: str = typer.Option("default"),
+    api_key: str = typer.Option(None, envvar="HYPERHARNESS_API_KEY"),
+    metrics_url: str = typer.Option(None, help="where vLLM's /metrics is (default: --direct-url)"),
+    gap: float = typer.Option(0.5, help="seconds between turns (the harness running its tools)"),
+    warmup: bool = typer.Option(True, help="also replay with the proxy's next-turn warm-up"),
+) -> None:
+    """Replay multi-turn agent traces; print prompt, cached and re-prefilled tokens and TTFT per turn."""
+    from proxy.replay import replay_command
+
+    replay_command(traces or [], base_url, direct_url, model, api_key, metrics_url, gap, warmup)
 
 
 @models_app.command("prepare")

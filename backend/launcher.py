@@ -61,6 +61,7 @@ def engine_argv(profile: Profile, model_path: Path | str, port: int, python: str
         ("--enforce-eager", e.enforce_eager),
         ("--language-model-only", e.language_model_only),
         ("--enable-auto-tool-choice", e.enable_auto_tool_choice),
+        ("--enable-prompt-tokens-details", e.enable_prompt_tokens_details),
     ):
         if on:
             argv.append(flag)

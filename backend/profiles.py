@@ -83,6 +83,8 @@ class Engine(_Strict):
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     sse_keep_alive_interval: int | None = Field(default=None, ge=0)
+    # usage.prompt_tokens_details.cached_tokens: the proxy reports cache hits from it
+    enable_prompt_tokens_details: bool = True
     compilation_config: dict | None = None
     speculative: Speculative | None = None
     drafter: Drafter | None = None

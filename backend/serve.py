@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import shlex
 import signal
 import sys
@@ -121,8 +122,13 @@ async def run(p: ServePlan, run_dir: Path, health_timeout: float = 900.0) -> int
             raise ServeError(f"port {port} ({name}) is already in use; stop what holds it or pass "
                              f"--{'port' if name == 'proxy' else 'engine-port'} N")
     logs = run_dir / "logs"
-    engine = ManagedProcess("engine", p.engine_argv, engine_env(p.profile), logs / "engine.log")
-    proxy_env = dict(os.environ)
+    # The engine gets a key of its own for this run, known only to the proxy: with our plugin's
+    # middleware it then refuses every route but /health (0.32.0 alone leaves /tokenize, /metrics,
+    # /invocations open), so another local user cannot drive it around the proxy.
+    engine_key = secrets.token_urlsafe(24)
+    engine = ManagedProcess("engine", p.engine_argv, {**engine_env(p.profile), "VLLM_API_KEY": engine_key},
+                            logs / "engine.log")
+    proxy_env = {**os.environ, "HYPERHARNESS_ENGINE_API_KEY": engine_key}
     if p.key:
         proxy_env["HYPERHARNESS_API_KEY"] = p.key
     else:

@@ -87,3 +87,33 @@ def test_serve_prints_a_working_url_and_key_and_stops_cleanly(tmp_path):
     for p in (port, eport):  # nothing is left listening
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", p)) != 0
+
+
+@pytest.mark.engine
+def test_engine_behind_serve_refuses_requests_without_its_own_key(tmp_path):
+    """The engine `serve` starts has a per-run key that only the proxy holds (plugin middleware)."""
+    import httpx
+
+    port, eport = free_port(), free_port()
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backend.cli", "serve", "--profile", "cpu-smol", "--port", str(port),
+         "--engine-port", str(eport), "--run-dir", str(tmp_path / "run"), "--no-key"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        for line in proc.stdout:
+            if line.startswith("logs:"):
+                break
+        engine = f"http://127.0.0.1:{eport}"
+        assert httpx.get(engine + "/health").status_code == 200
+        for path in ("/tokenize", "/metrics", "/v1/models"):
+            assert httpx.get(engine + path).status_code == 401, path
+        # …while the proxy (no client key configured, loopback only) reaches it, pass-through included
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                       json={"model": "smollm2-135m", "prompt": "Paris is", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
