@@ -46,6 +46,7 @@ Priority = Literal["interactive", "subagent", "background"]
 PRIORITY_HEADER = "x-hyperharness-priority"
 # Our adapters add this static header to every request of the harness they configure.
 HARNESS_HEADER = "x-harness"
+KNOWN_HARNESSES = frozenset({"dsh", "pi", "hermes"})
 PARENT_HEADERS = (
     "x-parent-session-id",  # ours and OpenCode's
     "x-deepseek-harness-parent-session-id",
@@ -107,12 +108,13 @@ class QuirkLog:
 
 
 def identify_harness(headers: Mapping[str, str]) -> str:
-    """`dsh`, `pi`, `hermes`, or `unknown`. Our adapters' `x-harness` header wins; DeepSeek Harness also
+    """`dsh`, `pi`, `hermes`, `other` (an unknown `x-harness`) or `unknown`. Our adapters' `x-harness` header wins; DeepSeek Harness also
     names itself in its User-Agent and its own headers. Pi (OpenAI JS SDK) and Hermes (OpenAI Python SDK)
     are only recognisable by the header the adapters add."""
     named = (headers.get(HARNESS_HEADER) or "").strip().lower()
     if named:
-        return named
+        # A metric label: only known names, so a client cannot grow the series without bound.
+        return named if named in KNOWN_HARNESSES else "other"
     agent = (headers.get("user-agent") or "").lower()
     if agent.startswith("deepseek-harness") or headers.get("x-deepseek-harness-session-id"):
         return "dsh"

@@ -29,6 +29,7 @@ USER = {"role": "user", "content": "hi"}
 
 @pytest.mark.parametrize("headers, harness", [
     ({"x-harness": "Pi"}, "pi"),
+    ({"x-harness": "random-" + "x" * 40}, "other"),
     ({"user-agent": "deepseek-harness/0.2.1-rc.2 (+https://github.com/deepseek-ai/deepseek-harness)"}, "dsh"),
     ({"x-deepseek-harness-session-id": "s"}, "dsh"),
     ({"user-agent": "OpenAI/Python 2.24.0"}, "unknown"),
