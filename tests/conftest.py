@@ -86,3 +86,14 @@ def redis_url():
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(5)
+
+
+def pytest_configure(config):
+    # A SIGTERM (a CI timeout, `kill`) would end pytest without fixture teardown, leaving the engines
+    # (own process groups) running; as KeyboardInterrupt, pytest tears the session fixtures down.
+    import signal
+
+    def _interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _interrupt)
