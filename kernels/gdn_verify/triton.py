@@ -26,9 +26,19 @@ import triton.language as tl
 
 
 
-def _default_config(batch: int, state_dtype: torch.dtype) -> tuple[int, ...]:
-    """(BV, num_warps[, maxnreg]).  One warp holding a [K, 8] tile: 16 lanes along K and 2 along V,
-    so a K reduction is 8 in-thread adds and 4 shuffle rounds, and no cross-warp traffic."""
+def _default_config(batch: int, state_dtype: torch.dtype, state_vk: bool = False) -> tuple[int, ...]:
+    """(BV, num_warps[, maxnreg]) from the H200 sweep (NOTES.md, ``python -m kernels.gdn_verify.sweep``).
+
+    One warp holding a [K, 8] tile (fp32: 16 lanes along K and 2 along V, so a K reduction is 8
+    in-thread adds and 4 shuffle rounds, no cross-warp traffic) wins everywhere measured except
+    fp32 states at batch 8, where a [K, 16] tile is 5% faster (51.7 vs 54.3 µs).  2-byte states
+    measured slowest with any wider tile or more warps (B=8 bf16: 8/1 70.8 µs, 16/1 80.5, 16/2 99.0).
+    The BV=16 tile reduces in another order, so fp32 states at batch >= 8 differ from the same
+    request run at batch < 8 by float rounding (max 3e-5 measured); lazy, eager and commit calls
+    of one batch size stay bit-identical to each other.
+    """
+    if state_dtype == torch.float32 and batch >= 8 and not state_vk:
+        return (16, 1)
     return (8, 1)
 
 
@@ -249,7 +259,7 @@ def gdn_verify_fwd(
             a, b = a.contiguous(), b.contiguous()
             a, *sab = _dense(a, "a", 1)
         o = out if out is not None else torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
-    BV, num_warps, *maxnreg = config if config is not None else _default_config(B, state.dtype)
+    BV, num_warps, *maxnreg = config if config is not None else _default_config(B, state.dtype, state_vk)
     extra = {"maxnreg": maxnreg[0]} if maxnreg else {}
     BV = min(BV, triton.next_power_of_2(V))
     grid = (triton.cdiv(V, BV), B * HV)

@@ -42,6 +42,10 @@ LOG2E = 1.4426950408889634
 # is kept under ~6% of the KV bytes by MIN_SPLIT_TOKENS. Tuned on the H200 (see bench.py).
 CTAS_PER_SM = 2
 MIN_SPLIT_TOKENS = 256
+# Floor on the split count without a sliding window (H200 sweep, sweep.py / NOTES.md): filling the
+# GPU twice gave batch 4 only 17 splits and batch 8 only 9; 33 splits was fastest at batch 4
+# (32K/100K, T=1/8: 1.4-1.8x over 17) and batch 8 (100K T=8), and batch 1 keeps its 66.
+MIN_SPLITS = 33
 
 
 @triton.jit
@@ -253,14 +257,22 @@ def _launch_config(block_m: int) -> dict[str, int]:
 
 
 def default_num_splits(
-    num_seqs: int, num_kv_heads: int, num_q_tiles: int, max_seqlen_k: int, device: torch.device
+    num_seqs: int,
+    num_kv_heads: int,
+    num_q_tiles: int,
+    max_seqlen_k: int,
+    device: torch.device,
+    windowed: bool = False,
 ) -> int:
-    """Splits per (request, KV head, query tile) so that the grid fills the GPU."""
+    """Splits per (request, KV head, query tile): enough to fill the GPU twice, at least
+    MIN_SPLITS without a sliding window, at most one per MIN_SPLIT_TOKENS keys."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         sms = 4
     want = triton.cdiv(CTAS_PER_SM * sms, num_seqs * num_kv_heads * num_q_tiles)
+    if not windowed:
+        want = max(want, MIN_SPLITS)
     return max(1, min(want, triton.cdiv(max_seqlen_k, MIN_SPLIT_TOKENS)))
 
 
@@ -299,7 +311,7 @@ def verify_attention_fwd(
     block_n = block_n or cfg["BLOCK_N"]
     if num_splits is None:
         num_splits = default_num_splits(
-            num_seqs, num_kv_heads, num_q_tiles, max_seqlen_k, q.device
+            num_seqs, num_kv_heads, num_q_tiles, max_seqlen_k, q.device, windowed=window > 0
         )
     if use_asm is None:
         use_asm = q.is_cuda and not _interpreting()

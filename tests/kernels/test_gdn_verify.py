@@ -242,3 +242,14 @@ def test_real_shapes_gpu(B, sdtype):
         eager.accept(accepted)
         replay = torch.tensor(accepted, dtype=torch.int32, device=DEVICE)
         parity ^= 1
+
+
+def test_default_config_table():
+    """(BV, num_warps) per state dtype and batch, from the H200 sweep in kernels/gdn_verify/NOTES.md."""
+    from kernels.gdn_verify.triton import _default_config
+
+    assert _default_config(8, torch.float32) == (16, 1)
+    assert _default_config(4, torch.float32) == (8, 1)
+    assert _default_config(8, torch.float32, state_vk=True) == (8, 1)
+    for sd in (torch.bfloat16, torch.float16):
+        assert _default_config(1, sd) == _default_config(8, sd) == (8, 1)

@@ -140,3 +140,18 @@ REAL = [
 def test_real_shapes(seq_lens, q_lens, hq, hkv, d, page, window, splits):
     run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits)
 
+
+
+def test_default_split_rule(monkeypatch):
+    """The split rule at the H200's 132 SMs (sweep in kernels/verify_attention/NOTES.md)."""
+    from types import SimpleNamespace
+
+    from kernels.verify_attention.triton import default_num_splits
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
+    cuda = torch.device("cuda")
+    assert default_num_splits(1, 4, 1, 100_000, cuda) == 66  # fills the GPU twice
+    assert default_num_splits(4, 4, 1, 100_000, cuda) == 33  # floor (was 17)
+    assert default_num_splits(8, 4, 1, 100_000, cuda) == 33  # floor (was 9)
+    assert default_num_splits(4, 4, 1, 100_000, cuda, windowed=True) == 17  # no floor with a window
+    assert default_num_splits(4, 4, 1, 2_000, cuda) == 8  # one split per 256 keys at most
