@@ -21,7 +21,6 @@ import json
 import os
 import re
 import secrets
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -203,6 +202,10 @@ async def run_mode(mode: str, url: str, engine: str, load: Load) -> ModeReport:
     return rep
 
 
+def _ratio(r: ModeReport) -> float:
+    return _pct(r.ttft("main-burst"), 0.5) / _pct(r.ttft("main-idle"), 0.5)
+
+
 def format_reports(reports: list[ModeReport], load: Load) -> str:
     ms = lambda x: f"{x * 1000:,.0f} ms"  # noqa: E731
     s = lambda x: f"{x:,.2f} s"  # noqa: E731
@@ -214,7 +217,7 @@ def format_reports(reports: list[ModeReport], load: Load) -> str:
         ("main TTFT idle p50", lambda r: ms(_pct(r.ttft("main-idle"), 0.5))),
         ("main TTFT burst p50", lambda r: ms(_pct(r.ttft("main-burst"), 0.5))),
         ("main TTFT burst p95", lambda r: ms(_pct(r.ttft("main-burst"), 0.95))),
-        ("burst / idle TTFT (p50)", lambda r: f"{_pct(r.ttft('main-burst'), 0.5) / _pct(r.ttft('main-idle'), 0.5):.2f}x"),
+        ("burst / idle TTFT (p50)", lambda r: f"{_ratio(r):.2f}x"),
         ("main requests in burst", lambda r: str(len(r.ttft("main-burst")))),
         ("peak engine waiting queue", lambda r: str(r.peak_waiting)),
         ("peak engine KV usage", lambda r: f"{r.peak_kv_usage:.0%}"),

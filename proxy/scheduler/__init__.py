@@ -17,7 +17,7 @@ from .priority import PRIORITY_HEADER, Priority, infer_priority
 from .scheduler import Scheduler, SchedulerConfig, SeatTicket, open_scheduler
 
 __all__ = [
-    "PRIORITY_HEADER", "ClientGone", "LiveGauges", "PoolGeometry", "Priority", "PromptFootprint", "QueueFull", "QueueTimeout",
-    "Queued", "Refused", "Scheduler", "SchedulerConfig", "SeatTicket", "hold", "infer_priority", "open_scheduler",
-    "read_metrics", "worst_case_blocks",
+    "PRIORITY_HEADER", "ClientGone", "LiveGauges", "PoolGeometry", "Priority", "PromptFootprint", "QueueFull",
+    "QueueTimeout", "Queued", "Refused", "Scheduler", "SchedulerConfig", "SeatTicket", "hold", "infer_priority",
+    "open_scheduler", "read_metrics", "worst_case_blocks",
 ]
