@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -47,6 +48,8 @@ def test_no_key_binds_loopback(tmp_path, monkeypatch):
 
 @pytest.mark.engine
 def test_serve_prints_a_working_url_and_key_and_stops_cleanly(tmp_path):
+    """One `serve` run: URL and key work with the OpenAI SDK, a wrong key is refused, the engine behind
+    refuses everyone but the proxy, SIGTERM stops both."""
     port, eport = free_port(), free_port()
     env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
     env.pop("HYPERHARNESS_API_KEY", None)
@@ -81,6 +84,15 @@ def test_serve_prints_a_working_url_and_key_and_stops_cleanly(tmp_path):
         assert "Paris" in reply.choices[0].message.content
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base, api_key="wrong").models.list()
+        # pass-through routes reach the engine with the engine's own key, not the client's
+        r = httpx.post(f"{base}/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
+                       json={"model": "smollm2-135m", "prompt": "Paris is", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        # the engine itself has a per-run key only the proxy holds (plugin middleware on every route)
+        engine = f"http://127.0.0.1:{eport}"
+        assert httpx.get(engine + "/health").status_code == 200
+        for path in ("/tokenize", "/metrics", "/v1/models"):
+            assert httpx.get(engine + path, headers={"Authorization": f"Bearer {key}"}).status_code == 401, path
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
@@ -88,32 +100,3 @@ def test_serve_prints_a_working_url_and_key_and_stops_cleanly(tmp_path):
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", p)) != 0
 
-
-@pytest.mark.engine
-def test_engine_behind_serve_refuses_requests_without_its_own_key(tmp_path):
-    """The engine `serve` starts has a per-run key that only the proxy holds (plugin middleware)."""
-    import httpx
-
-    port, eport = free_port(), free_port()
-    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "backend.cli", "serve", "--profile", "cpu-smol", "--port", str(port),
-         "--engine-port", str(eport), "--run-dir", str(tmp_path / "run"), "--no-key"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-    try:
-        for line in proc.stdout:
-            if line.startswith("logs:"):
-                break
-        engine = f"http://127.0.0.1:{eport}"
-        assert httpx.get(engine + "/health").status_code == 200
-        for path in ("/tokenize", "/metrics", "/v1/models"):
-            assert httpx.get(engine + path).status_code == 401, path
-        # …while the proxy (no client key configured, loopback only) reaches it, pass-through included
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
-                       json={"model": "smollm2-135m", "prompt": "Paris is", "max_tokens": 3})
-        assert r.status_code == 200, r.text
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
