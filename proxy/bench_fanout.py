@@ -23,6 +23,7 @@ import re
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,9 +208,13 @@ def _ratio(r: ModeReport) -> float:
 
 
 def format_reports(reports: list[ModeReport], load: Load) -> str:
-    ms = lambda x: f"{x * 1000:,.0f} ms"  # noqa: E731
-    s = lambda x: f"{x:,.2f} s"  # noqa: E731
-    rows = [
+    def ms(x: float) -> str:
+        return f"{x * 1000:,.0f} ms"
+
+    def s(x: float) -> str:
+        return f"{x:,.2f} s"
+
+    rows: list[tuple[str, Callable[[ModeReport], str]]] = [
         ("upstream preemptions", lambda r: str(r.preemptions)),
         ("makespan (8 subagents)", lambda r: s(r.makespan)),
         ("subagent latency p50", lambda r: s(_pct(r.lat("sub"), 0.5))),
