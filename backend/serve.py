@@ -128,7 +128,9 @@ async def run(p: ServePlan, run_dir: Path, health_timeout: float = 900.0) -> int
     engine_key = secrets.token_urlsafe(24)
     engine = ManagedProcess("engine", p.engine_argv, {**engine_env(p.profile), "VLLM_API_KEY": engine_key},
                             logs / "engine.log")
-    proxy_env = {**os.environ, "HYPERHARNESS_ENGINE_API_KEY": engine_key}
+    proxy_env = {**os.environ, "HYPERHARNESS_ENGINE_API_KEY": engine_key,
+                 # the scheduler admits by seats as well as by pool blocks
+                 "HYPERHARNESS_MAX_NUM_SEQS": str(p.profile.engine.max_num_seqs)}
     if p.key:
         proxy_env["HYPERHARNESS_API_KEY"] = p.key
     else:
