@@ -13,7 +13,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+# Kernel tests run Triton's interpreter on a machine without CUDA. It must be on before the first
+# `@triton.jit` is decorated, i.e. before any test module imports kernels/ (the plugin tests do, and
+# they run first), so it is set here, where pytest starts, not in the kernel test files.
+if not shutil.which("nvidia-smi"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from backend.launcher import ManagedProcess, engine_argv, engine_env, free_port, wait_healthy
 from backend.models import prepare_model
