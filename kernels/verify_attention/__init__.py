@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import warnings
 
 import torch
 
@@ -47,6 +49,11 @@ def split_kv_verify_attention(
     batches. Legend: N query tokens in the batch, B requests, Hq / Hkv query / KV heads,
     D head size (a power of two, >= 16), P page size (any, e.g. 16 or 1616), NB cache blocks.
 
+    Backends: on sm_90 GPUs with D in {128, 256} and the cache in vLLM's layout, the CUDA kernel
+    in ``cuda/`` (compiled by NVRTC on first use); otherwise, and on the CPU (Triton's
+    interpreter), the Triton kernel in ``triton.py``. ``HH_VERIFY_ATTENTION_BACKEND=triton``
+    forces Triton, ``=cuda`` forces CUDA (an error where unsupported).
+
     Args:
         q: [N, Hq, D] bf16 or fp16; rows of request i are cu_seqlens_q[i]:cu_seqlens_q[i+1].
         k: [NB, P, Hkv, D + 4] int8, the backend's key view: ``kv_cache.transpose(1, 2)
@@ -63,8 +70,8 @@ def split_kv_verify_attention(
         block_table: [B, max_blocks] int32, logical page -> physical block.
         k_scale_cache: [NB, P, Hkv] fp32 strided view over the inline K scales.
         v_scale_cache: [NB, P, Hkv] fp32 strided view over the inline V scales.
-        num_splits: KV splits per (request, KV head); None picks one from max_seqlen_k and the
-            GPU's SM count. Pass a fixed value under CUDA-graph capture: each split's key range
+        num_splits: KV splits per (request, KV head, query tile); None picks one from
+            max_seqlen_k and the GPU's SM count. Pass a fixed value under CUDA-graph capture: each split's key range
             is computed on the device from seqused_k, so one value serves every length.
 
     Returns:
@@ -75,12 +82,25 @@ def split_kv_verify_attention(
         >>> split_kv_verify_attention(q, cache.k, cache.v, out, cu_q, 9, seq_lens, 100_000,
         ...                           None, (-1, -1), block_table, cache.k_scale, cache.v_scale)
     """
-    from kernels.verify_attention.triton import verify_attention_fwd
-
     _check(q, k, v, out, cu_seqlens_q, seqused_k, block_table, k_scale_cache, v_scale_cache)
     head_size = q.shape[2]
     scale = 1.0 / math.sqrt(head_size) if softmax_scale is None else float(softmax_scale)
     window = window_size[0] + 1 if window_size[0] >= 0 else 0
+    if _use_cuda(q, k, v, out, k_scale_cache, v_scale_cache):
+        from kernels.verify_attention.cuda import verify_attention_cuda
+
+        try:
+            return verify_attention_cuda(
+                q, k, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, scale, window,
+                block_table, num_splits=num_splits,
+            )  # fmt: skip
+        except Exception as exc:  # compile / load failure: say so once, use Triton from then on
+            if _backend() == "cuda":
+                raise
+            _CUDA_BROKEN.append(repr(exc))
+            warnings.warn(f"verify_attention: CUDA kernel unavailable ({exc!r}); using Triton")
+    from kernels.verify_attention.triton import verify_attention_fwd
+
     return verify_attention_fwd(
         q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, scale, window,
         block_table, k_scale_cache, v_scale_cache, num_splits=num_splits,
@@ -88,6 +108,33 @@ def split_kv_verify_attention(
 
 
 verify_attention = split_kv_verify_attention
+
+# Set when compiling or loading the CUDA kernel failed once in this process.
+_CUDA_BROKEN: list[str] = []
+
+
+def _backend() -> str:
+    """HH_VERIFY_ATTENTION_BACKEND: auto (default: CUDA where supported, else Triton), triton, cuda."""
+    return os.environ.get("HH_VERIFY_ATTENTION_BACKEND", "auto").lower()
+
+
+def _use_cuda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    k_scale_cache: torch.Tensor,
+    v_scale_cache: torch.Tensor,
+) -> bool:
+    backend = _backend()
+    if backend == "triton" or (backend == "auto" and _CUDA_BROKEN) or not q.is_cuda:
+        return False
+    from kernels.verify_attention import cuda as va_cuda
+
+    ok = va_cuda.supported(q, k, v, out, k_scale_cache, v_scale_cache)
+    if backend == "cuda" and not ok:
+        raise ValueError("HH_VERIFY_ATTENTION_BACKEND=cuda but this call is not supported by it")
+    return ok
 
 
 def _check(

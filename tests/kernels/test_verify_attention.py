@@ -142,6 +142,43 @@ def test_real_shapes(seq_lens, q_lens, hq, hkv, d, page, window, splits):
 
 
 
+# The CUDA kernel (sm_90, D in {128, 256}) on odd shapes: contexts not a multiple of the page or
+# of its 64-key tile, T = 1 / 9 / 16 / 40 (several query tiles), mixed lengths, page 1616,
+# sliding windows, one split (direct output) and several (partials + combine), empty splits.
+CUDA_CASES = [
+    pytest.param([37, 70, 5], [9, 16, 1], 24, 4, 256, 16, (-1, -1), 1, id="B3-T9,16,1-S1"),
+    pytest.param([37, 70, 5], [9, 16, 1], 24, 4, 256, 16, (-1, -1), 3, id="B3-T9,16,1-S3"),
+    pytest.param([129], [1], 24, 4, 256, 16, (-1, -1), None, id="B1-T1-L129-auto"),
+    pytest.param([3001, 45], [9, 3], 32, 8, 128, 16, (63, 0), 4, id="D128-window64-S4"),
+    pytest.param([5000, 2100, 300], [8, 8, 1], 32, 8, 128, 16, (2047, 0), None, id="D128-w2048"),
+    pytest.param([1700, 33], [16, 1], 24, 4, 256, 1616, (-1, -1), 4, id="P1616-T16,1-S4"),
+    pytest.param([5000, 77], [16, 9], 24, 4, 256, 16, (-1, -1), None, id="T16,9-auto"),
+    pytest.param([1000, 40], [40, 1], 24, 4, 256, 16, (-1, -1), 5, id="T40-qtiles-S5"),
+    pytest.param([200, 90], [3, 2], 24, 4, 256, 16, (-1, -1), 40, id="empty-splits-S40"),
+    pytest.param([4099], [5], 8, 4, 128, 16, (-1, -1), 2, id="G2-D128-S2"),
+]  # fmt: skip
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), CUDA_CASES)
+def test_cuda_matches_reference(seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, monkeypatch):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the CUDA kernel runs on sm_90")
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")  # an error if it would fall back
+    run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
+
+
+def test_cuda_split_rule():
+    """CUDA split rule at 132 SMs, two CTAs each: one full wave at batch 1, whole waves at 4."""
+    from kernels.verify_attention.cuda import num_splits_for
+
+    assert num_splits_for(1, 4, 1, 100_000, 132) == 66  # 264 CTAs, 24 tiles each
+    assert num_splits_for(4, 4, 1, 100_000, 132) == 16  # 256 CTAs (33: 528 CTAs costs the same)
+    assert num_splits_for(1, 4, 2, 100_000, 132) == 33  # T=16: two query tiles
+    assert num_splits_for(1, 4, 1, 300, 132) == 2  # at least 4 tiles of 64 keys per split
+
+
 def test_default_split_rule(monkeypatch):
     """The split rule at the H200's 132 SMs (sweep in kernels/verify_attention/NOTES.md)."""
     from types import SimpleNamespace

@@ -1,0 +1,191 @@
+"""CUDA split-KV verify attention (verify_attention.cu beside this file), compiled at run time.
+
+NVRTC through ``torch.cuda._compile_kernel`` (no nvcc or CUDA headers needed on the user's
+machine; the kernel source includes no header). Each (head size, query tile, ring depth, dtype)
+variant is compiled once per process (about 4 s), on its first call: call once eagerly before a
+CUDA-graph capture (vLLM's warm-up does). Launches go to torch's current stream, so they are
+captured like any other kernel.
+
+``supported`` says whether a call can take this path (sm_90, D in {128, 256}, the cache exactly in
+vLLM 0.32.0's int8_per_token_head layout with 16-byte-aligned blocks and slots); the public
+``kernels.verify_attention.verify_attention`` falls back to the Triton kernel otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SOURCE = Path(__file__).with_name("verify_attention.cu")
+THREADS = 128  # VA_THREADS in the .cu
+BN = 64  # VA_BN: keys per tile
+MAX_ROWS = 48  # query rows (tokens x GQA group) per CTA: 3 m16 tiles, 96 accumulator registers
+CTAS_PER_SM = 2  # __launch_bounds__(128, 2); shared memory is sized for two per SM on sm_90
+SHARED_PER_SM = 228 * 1024  # sm_90; 1 KB of it is reserved per CTA
+LOG2E = 1.4426950408889634
+HEAD_SIZES = (128, 256)
+
+
+def smem_bytes(d: int, mt: int, stages: int) -> int:
+    """Dynamic shared memory of one CTA (mirrors the carve-up at the top of verify_attn_split)."""
+    rows = 16 * mt
+    return stages * BN * (2 * d + 16) + rows * (2 * d + 16) + rows * (2 * BN + 16) + 6 * rows * 4
+
+
+def pick_stages(d: int, mt: int) -> int:
+    """Deepest ring (2..4) that still lets CTAS_PER_SM CTAs share an SM."""
+    per_cta = SHARED_PER_SM // CTAS_PER_SM - 1024
+    stages = 2
+    while stages < 4 and smem_bytes(d, mt, stages + 1) <= per_cta:
+        stages += 1
+    return stages
+
+
+@functools.lru_cache(maxsize=None)
+def _source() -> str:
+    return SOURCE.read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(name: str, smem: int) -> Any:
+    kernel = torch.cuda._compile_kernel(_source(), name, nvcc_options=["-std=c++17"])
+    if smem:
+        if hasattr(kernel, "set_shared_memory_config"):
+            kernel.set_shared_memory_config(smem)
+        else:  # older torch: no helper and no check in the launcher
+            _set_attr(kernel.func, 8, smem)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        # Prefer the largest shared-memory carve-out so two CTAs fit per SM.
+        _set_attr(kernel.func, 9, 100)  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    return kernel
+
+
+def _set_attr(func: Any, attr: int, value: int) -> None:
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    err = libcuda.cuFuncSetAttribute(func, ctypes.c_int(attr), ctypes.c_int(value))
+    if err:
+        raise RuntimeError(f"cuFuncSetAttribute({attr}, {value}) failed: CUresult {err}")
+
+
+def _tile(group: int, max_seqlen_q: int) -> tuple[int, int, int, int]:
+    """(tokens per query tile, query tiles, m16 tiles, n8 tiles) for a request of max_seqlen_q."""
+    block_q = max(1, min(max(1, max_seqlen_q), MAX_ROWS // group))
+    rows = block_q * group
+    return block_q, math.ceil(max(1, max_seqlen_q) / block_q), math.ceil(rows / 16), math.ceil(rows / 8)
+
+
+def supported(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    k_scale_cache: torch.Tensor,
+    v_scale_cache: torch.Tensor,
+) -> bool:
+    """Can this call run the CUDA kernel? (Shapes were validated by the caller.)"""
+    if not q.is_cuda or torch.version.hip is not None:
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    n, hq, d = q.shape
+    hkv = k.shape[2]
+    if d not in HEAD_SIZES or q.dtype not in (torch.bfloat16, torch.float16) or hq // hkv > MAX_ROWS:
+        return False
+    rec = 2 * d + 8
+    kp = k.data_ptr()
+    if k.shape[3] != d + 4 or v.data_ptr() - kp != d + 4:
+        return False
+    # The record layout of vLLM 0.32.0's int8_per_token_head cache (NHD), blocks and slots 16-byte
+    # aligned, so every record starts 0 or 8 bytes into a 16-byte window (one shift per head).
+    if k.stride(2) != rec or k.stride(1) != hkv * rec or k.stride(1) % 16 or k.stride(0) % 16:
+        return False
+    if kp % 16 or k.stride(0) >= 2**31:
+        return False
+    for t, off in ((k_scale_cache, d), (v_scale_cache, 2 * d + 4)):
+        if t.data_ptr() != kp + off or tuple(4 * s for s in t.stride()) != tuple(k.stride()[:3]):
+            return False
+    # q / out rows are read and written 8 bytes at a time.
+    for t in (q, out):
+        if t.data_ptr() % 8 or t.stride(0) % 4 or t.stride(1) % 4 or t.stride(2) != 1:
+            return False
+    return True
+
+
+def num_splits_for(
+    num_seqs: int, num_kv_heads: int, num_q_tiles: int, keys: int, sms: int
+) -> int:
+    """KV splits per (request, KV head, query tile): the fewest waves x tiles per CTA.
+
+    Cost model: waves of CTAS_PER_SM x sms CTAs, each wave as long as its CTAs' tiles plus about
+    two tiles of fixed cost (Q load, epilogue, the partials). At least 4 tiles per split."""
+    slots = CTAS_PER_SM * sms
+    units = num_seqs * num_kv_heads * num_q_tiles
+    best_cost, best = None, 1
+    for s in range(1, max(1, math.ceil(keys / (4 * BN))) + 1):
+        tiles = math.ceil(math.ceil(keys / s) / BN)
+        cost = math.ceil(units * s / slots) * (tiles + 2)
+        if best_cost is None or cost < best_cost:
+            best_cost, best = cost, s
+    return best
+
+
+def verify_attention_cuda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    seqused_k: torch.Tensor,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window: int,
+    block_table: torch.Tensor,
+    num_splits: int | None = None,
+    stages: int | None = None,
+    combine: bool = True,
+) -> torch.Tensor:
+    """Launch; the contract is ``kernels.verify_attention.verify_attention``'s (window = W or 0).
+
+    ``stages`` overrides the ring depth and ``combine=False`` skips the merge of the partials
+    (out is then not written): both for timing experiments only."""
+    num_tokens, num_q_heads, d = q.shape
+    num_seqs = seqused_k.shape[0]
+    hkv = k.shape[2]
+    group = num_q_heads // hkv
+    block_q, n_qt, mt, n8 = _tile(group, max_seqlen_q)
+    if num_splits is None:
+        keys = max_seqlen_k if window <= 0 else min(max_seqlen_k, window + block_q)
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        num_splits = num_splits_for(num_seqs, hkv, n_qt, keys, sms)
+    stages = stages or pick_stages(d, mt)
+    bf16 = "true" if q.dtype == torch.bfloat16 else "false"
+    smem = smem_bytes(d, mt, stages)
+    split_kernel = _compiled(f"verify_attn_split<{d}, {mt}, {n8}, {stages}, {bf16}>", smem)
+    if num_splits > 1:
+        part_acc = torch.empty(num_tokens, num_q_heads, num_splits, d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_tokens, num_q_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    split_kernel(
+        grid=(hkv * n_qt * num_splits, num_seqs, 1),
+        block=(THREADS, 1, 1),
+        args=[
+            q, k, block_table, seqused_k, cu_seqlens_q, out, part_acc, part_ml,
+            float(softmax_scale * LOG2E), int(window), int(num_splits), n_qt, block_q, group,
+            k.shape[1], hkv, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k.stride(0), k.stride(1), k.stride(2), block_table.stride(0),
+        ],
+        shared_mem=smem,
+    )  # fmt: skip
+    if num_splits > 1 and num_tokens and combine:
+        combine = _compiled(f"verify_attn_combine<{d}, {bf16}>", 0)
+        combine(
+            grid=(num_tokens * num_q_heads, 1, 1),
+            block=(256, 1, 1),
+            args=[out, part_acc, part_ml, int(num_splits), num_q_heads, out.stride(0), out.stride(1)],
+        )
+    return out

@@ -1,0 +1,591 @@
+// Split-KV verify attention over vLLM 0.32.0's int8 per-token-head paged KV cache (CUDA).
+//
+// Compiled at run time by NVRTC (kernels/verify_attention/cuda/__init__.py), so it includes no
+// header: every special instruction is inline PTX. Needs sm_80+ (mma.sync, cp.async, ldmatrix);
+// sized for sm_90 (two 128-thread CTAs per SM fit its 228 KB of shared memory).
+//
+// Shapes (legend as in reference.py): q [N, Hq, D] bf16/fp16, out [N, Hq, D], the cache as
+// records of 2D + 8 bytes per (block, slot, KV head): K int8[D] | K scale f32 | V int8[D] |
+// V scale f32. G = Hq / Hkv query heads share one KV head.
+//
+// verify_attn_split: one CTA per (KV head, query tile, KV split, request), 4 warps. It holds the
+// query rows of one KV head (row r = token * G + group, up to 48 rows = MT m16 tiles) in shared
+// memory and walks its key range in tiles of BN = 64 keys:
+// * Loads: each key's record is copied with 16-byte cp.async through a 16-byte-aligned window
+//   (the record starts 0 or 8 bytes into it: SHIFT) into a STAGES-deep shared-memory ring, so the
+//   V half (only 4-byte aligned in memory) costs no narrow copies. Row pitch RP = 2D + 16 bytes
+//   (132 words at D=256, = 4 mod 32) keeps every shared-memory read below conflict-free.
+// * S = Q K^T with mma.sync m16n8k16 (fp16 in, fp32 out): query rows on M, keys on N; each warp
+//   owns 16 keys of the tile. The contraction index d may be permuted freely, so thread (g, c)
+//   reads one 32-bit word (4 int8 of key g) per k-step and converts it straight into its B
+//   fragment; Q is stored in shared memory in the matching (permuted) order, pre-scaled by
+//   softmax_scale * log2(e) and read with ldmatrix.
+// * int8 -> fp16 is exact with the magic-number trick: fp16(0x6400 | (x ^ 0x80)) - 1152.
+// * Per-token scales: K scale multiplies S, V scale multiplies P (before its fp16 rounding).
+// * Online softmax: each warp takes the row max over its 16 keys; the 4 warps exchange them in
+//   shared memory, so every warp uses the same running max and P needs no per-warp rescale. The
+//   max is updated lazily (only when it grows by more than 2^8), so rescales are rare.
+// * O^T = V^T P^T with mma.sync (the "swapped" product): D on M, query rows on N (N8 n8 tiles, no
+//   padding to 16 rows: T=1 with G=6 is one n8 tile). Each warp owns D/4 output dims, so its
+//   accumulator is (D/4) x (8 N8) fp32: 96 registers at D=256, 48 rows. The key index of this
+//   product is the PV contraction: a thread needs two keys' bytes for one d, which it gets from
+//   two 32-bit words (keys 2c, 2c+1) with one byte permute (prmt) per pair; the four d values of
+//   a word land in four different m16 tiles (output dims permuted, un-permuted at the store).
+// * Output: one split writes bf16/fp16 out directly; several write fp32 partials (unnormalised
+//   accumulator, running max in log2 units, running sum) that verify_attn_combine merges.
+// The key range of each split is computed on the device from seq_lens, so one launch shape
+// serves every length (CUDA-graph friendly).
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define DI __device__ __forceinline__
+
+namespace va {
+
+#define NEG_INF __int_as_float(0xff800000u)
+
+DI u32 smem_addr(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// 16-byte global -> shared copy, bypassing L1; src_bytes = 0 zero-fills (no read).
+DI void cp_async16(u32 dst, u64 src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+DI void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+DI void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+DI u32 lds32(u32 addr) {
+  u32 v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+DI float lds_f32(u32 addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+  return v;
+}
+DI void sts32(u32 addr, u32 v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v)); }
+DI void sts_f32(u32 addr, float v) { asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v)); }
+
+DI void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+DI void ldmatrix_x2(u32& r0, u32& r1, u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r0), "=r"(r1)
+               : "r"(addr));
+}
+
+// D += A B, m16n8k16, fp16 operands, fp32 accumulators.
+DI void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+DI u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+// 4 int8 -> 2 x f16x2, exact: lo = (byte0, byte1), hi = (byte2, byte3), low half first.
+DI void i8x4_to_f16(u32 w, u32& lo, u32& hi) {
+  const u32 u = w ^ 0x80808080u;
+  const u32 bias = 0x64806480u;  // f16x2 (1152, 1152)
+  u32 a = prmt(u, 0x64646464u, 0x4140u);
+  u32 b = prmt(u, 0x64646464u, 0x4342u);
+  asm("sub.f16x2 %0, %1, %2;\n" : "=r"(lo) : "r"(a), "r"(bias));
+  asm("sub.f16x2 %0, %1, %2;\n" : "=r"(hi) : "r"(b), "r"(bias));
+}
+
+DI float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+DI u32 pack_f16(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+DI u32 pack_bf16(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <bool BF16>
+DI u32 pack_out(float lo, float hi) {
+  return BF16 ? pack_bf16(lo, hi) : pack_f16(lo, hi);
+}
+template <bool BF16>
+DI float to_f32(unsigned short h) {
+  if (BF16) return __int_as_float(((u32)h) << 16);
+  float f;
+  asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(h));
+  return f;
+}
+
+DI float shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+DI u32 shfl_idx(u32 v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+
+}  // namespace va
+
+// Threads per CTA and keys per tile (shared with the launcher in __init__.py).
+#define VA_THREADS 128
+#define VA_BN 64
+
+// Template parameters: D head size (128 or 256); MT query m16 tiles (rows <= 16 MT); N8 query n8
+// tiles in the PV product (rows <= 8 N8); STAGES ring depth; BF16 q/out dtype (else fp16).
+template <int D, int MT, int N8, int STAGES, bool BF16>
+__global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split(
+    const unsigned short* __restrict__ q,  // [N, Hq, D]
+    const signed char* __restrict__ kv,    // the K view's base: record of (block 0, slot 0, head 0)
+    const int* __restrict__ block_table,   // [B, stride_bt]
+    const int* __restrict__ seq_lens,      // [B]
+    const int* __restrict__ cu_q,          // [B + 1]
+    unsigned short* __restrict__ out,      // [N, Hq, D], written when num_splits == 1
+    float* __restrict__ part_acc,          // [N, Hq, num_splits, D] when num_splits > 1
+    float* __restrict__ part_ml,           // [N, Hq, num_splits, 2]
+    double qk_scale_d,                     // softmax_scale * log2(e)
+    int window,                            // key k visible from position p iff p - k < window; 0: none
+    int num_splits, int num_q_tiles, int block_q, int G, int page, int num_kv_heads,
+    int stride_q_tok, int stride_q_head, int stride_o_tok, int stride_o_head,
+    int stride_kv_blk, int stride_kv_slot, int stride_kv_head, int stride_bt) {
+  using namespace va;
+  constexpr int BN = VA_BN;
+  constexpr int NW = VA_THREADS / 32;
+  constexpr int RP = 2 * D + 16;       // shared row pitch of one key's window (bytes)
+  constexpr int NCH = RP / 16;         // 16-byte chunks per key window
+  constexpr int QP = 2 * D + 16;       // Q row pitch (bytes), = 16 mod 128: ldmatrix conflict-free
+  constexpr int PP = 2 * BN + 16;      // P row pitch (bytes), = 16 mod 128
+  constexpr int R = 16 * MT;           // query rows held (padded)
+  constexpr int DW = D / NW;           // output dims per warp in the PV product
+  constexpr int MTD = DW / 16;         // m16 tiles per warp in the PV product
+  constexpr int WV = DW / 32;          // 32-bit V words per key row per thread
+  static_assert(D == 128 || D == 256, "head size 128 or 256");
+  static_assert(N8 <= 2 * MT, "N8 <= 2 MT");
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const u32 kv_s = smem_addr(smem);
+  const u32 q_s = kv_s + STAGES * BN * RP;
+  const u32 p_s = q_s + R * QP;
+  float* red_s = reinterpret_cast<float*>(smem + STAGES * BN * RP + R * QP + R * PP);  // [NW][R]
+  float* alpha_s = red_s + NW * R;                                                      // [R]
+  float* m_s = alpha_s + R;                                                             // [R]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+
+  int bx = blockIdx.x;
+  const int h = bx % num_kv_heads;
+  bx /= num_kv_heads;
+  const int qt = bx % num_q_tiles;
+  const int split = bx / num_q_tiles;
+  const int b = blockIdx.y;
+
+  const int q_start = cu_q[b];
+  const int q_len = cu_q[b + 1] - q_start;
+  const int q_lo = qt * block_q;
+  if (q_lo >= q_len) return;  // uniform over the CTA
+  const int q_hi = min(q_lo + block_q, q_len);
+  const int rows = (q_hi - q_lo) * G;
+  const int ctx = seq_lens[b] - q_len;
+  const int k_hi = ctx + q_hi;
+  const int k_lo = window > 0 ? max(ctx + q_lo - window + 1, 0) : 0;
+  const int span = max(k_hi - k_lo, 0);
+  const int per = ((span + num_splits - 1) / num_splits + BN - 1) / BN * BN;
+  const int n_start = k_lo + split * per;
+  const int n_end = min(n_start + per, k_hi);
+  const int ntiles = n_end > n_start ? (n_end - n_start + BN - 1) / BN : 0;
+  const int Hq = num_kv_heads * G;
+  // The record starts SHIFT (0 or 8) bytes into its 16-byte-aligned window; the launcher checks
+  // that block and slot strides are multiples of 16, so SHIFT depends on the head only.
+  const int shift = (int)((reinterpret_cast<u64>(kv) + (u64)h * (u64)stride_kv_head) & 15u);
+
+  // ---- K/V tile loads: warp w copies the windows of keys [16w, 16w + 16) of the tile. Lanes
+  // 0..15 look up the window address of one key each; a copy round then moves D / 8 chunks of
+  // 256 / D keys (512 contiguous bytes per key at D = 256), and one last round the final chunk of
+  // all 16 keys. Keys past the split's end are zero-filled (no read): scale 0, masked anyway.
+  auto issue = [&](int tile) {
+    constexpr int CK = D / 8;     // chunks per key in the main rounds (NCH = CK + 1)
+    constexpr int KPR = 32 / CK;  // keys per main round
+    const int kb = n_start + tile * BN + warp * 16;
+    const int key = kb + (lane & 15);
+    u64 src = reinterpret_cast<u64>(kv);
+    if (key < n_end) {
+      const int lp = key / page;
+      const int slot = key - lp * page;
+      const int blk = block_table[(i64)b * stride_bt + lp];
+      src = reinterpret_cast<u64>(kv) + (u64)((i64)blk * stride_kv_blk + (i64)slot * stride_kv_slot +
+                                              (i64)h * stride_kv_head - shift);
+    }
+    const u32 dst = kv_s + (tile % STAGES) * (BN * RP) + warp * 16 * RP;
+    const int kl = lane / CK, ch = lane % CK;
+#pragma unroll
+    for (int r = 0; r < 16 / KPR; ++r) {
+      const int kk = r * KPR + kl;
+      const u64 a = ((u64)shfl_idx((u32)(src >> 32), kk) << 32) | shfl_idx((u32)src, kk);
+      const bool ok = kb + kk < n_end;
+      cp_async16(dst + kk * RP + ch * 16, ok ? a + ch * 16 : a, ok ? 16 : 0);
+    }
+    if (lane < 16) {
+      const bool ok = key < n_end;
+      cp_async16(dst + lane * RP + CK * 16, ok ? src + CK * 16 : src, ok ? 16 : 0);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ntiles) issue(s);
+    cp_async_commit();
+  }
+
+  // ---- Q -> shared memory, fp16, pre-scaled, contraction index permuted within each 16-chunk:
+  // physical d = 16 s + 4 c + e (e < 4) goes to logical k = 2c + e (e < 2) or 8 + 2c + e - 2, the
+  // order in which thread c of a quad meets the 4 bytes of its K word in the B fragment.
+  {
+    const float qs = (float)qk_scale_d;
+    for (int it = tid; it < R * (D / 4); it += VA_THREADS) {
+      const int r = it / (D / 4);
+      const int rem = it - r * (D / 4);
+      const int s = rem >> 2, cc = rem & 3;
+      float v[4] = {0.f, 0.f, 0.f, 0.f};
+      if (r < rows) {
+        const int t = r / G, grp = r - (r / G) * G;
+        const unsigned short* p = q + (i64)(q_start + q_lo + t) * stride_q_tok +
+                                  (i64)(h * G + grp) * stride_q_head + 16 * s + 4 * cc;
+        const u64 raw = *reinterpret_cast<const u64*>(p);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] = to_f32<BF16>((unsigned short)(raw >> (16 * e))) * qs;
+      }
+      sts32(q_s + r * QP + (16 * s + 2 * cc) * 2, pack_f16(v[0], v[1]));
+      sts32(q_s + r * QP + (16 * s + 8 + 2 * cc) * 2, pack_f16(v[2], v[3]));
+    }
+  }
+
+  // Positions of this thread's S rows (16 mt + g + 8 hf) for the causal / window masks.
+  int qpos[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) qpos[mt][hf] = ctx + q_lo + (16 * mt + g + 8 * hf) / G;
+
+  float m_r[MT][2], l_r[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) m_r[mt][hf] = NEG_INF, l_r[mt][hf] = 0.f;
+  float acc[MTD][N8][4];
+#pragma unroll
+  for (int t = 0; t < MTD; ++t)
+#pragma unroll
+    for (int j = 0; j < N8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[t][j][i] = 0.f;
+
+  const u32 q_ld = q_s + (lane & 15) * QP + (lane >> 4) * 16;
+  const u32 p_ld = p_s + ((lane & 7) + 8 * (lane >> 4)) * PP + ((lane >> 3) & 1) * 16;
+
+  for (int it = 0; it < ntiles; ++it) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile `it` landed for every thread; every warp is done with tile it - 1
+    if (it + STAGES - 1 < ntiles) issue(it + STAGES - 1);
+    cp_async_commit();
+
+    const u32 st = kv_s + (it % STAGES) * (BN * RP);
+    const int kb = n_start + it * BN;
+
+    // ---- S = Q K^T for this warp's 16 keys: s[mt][nt] is rows 16 mt.., keys 16 w + 8 nt..
+    float s[MT][2][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[mt][nt][i] = 0.f;
+    const u32 k0 = st + (warp * 16 + g) * RP + shift + 4 * c;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      u32 b0[2], b1[2];
+      i8x4_to_f16(lds32(k0 + 16 * ks), b0[0], b0[1]);
+      i8x4_to_f16(lds32(k0 + 8 * RP + 16 * ks), b1[0], b1[1]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        u32 a[4];
+        ldmatrix_x4(a, q_ld + mt * 16 * QP + ks * 32);
+        mma16816(s[mt][0], a, b0[0], b0[1]);
+        mma16816(s[mt][1], a, b1[0], b1[1]);
+      }
+    }
+
+    // ---- scales, masks, row max over this warp's keys
+    float vsc[2][2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const u32 row = st + (warp * 16 + 8 * nt + 2 * c + e) * RP + shift;
+        const float ksc = lds_f32(row + D);
+        vsc[nt][e] = lds_f32(row + 2 * D + 4);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          s[mt][nt][e] *= ksc;
+          s[mt][nt][2 + e] *= ksc;
+        }
+      }
+    const bool need_mask = kb + BN > n_end || kb + BN - 1 > ctx + q_lo ||
+                           (window > 0 && kb < ctx + q_hi - window);
+    if (need_mask) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int kpos = kb + warp * 16 + 8 * nt + 2 * c + e;
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+              const int qp = qpos[mt][hf];
+              const bool vis = kpos < n_end && kpos <= qp && (window <= 0 || qp - kpos < window);
+              if (!vis) s[mt][nt][2 * hf + e] = NEG_INF;
+            }
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        float mx = fmaxf(fmaxf(s[mt][0][2 * hf], s[mt][0][2 * hf + 1]),
+                         fmaxf(s[mt][1][2 * hf], s[mt][1][2 * hf + 1]));
+        mx = fmaxf(mx, shfl_xor(mx, 1));
+        mx = fmaxf(mx, shfl_xor(mx, 2));
+        if (c == 0) red_s[warp * R + 16 * mt + g + 8 * hf] = mx;
+      }
+    __syncthreads();  // row maxima of all warps
+
+    // ---- online softmax; P (times the V scale) -> shared memory as fp16 [row][key]
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = 16 * mt + g + 8 * hf;
+        float tmax = red_s[row];
+#pragma unroll
+        for (int w = 1; w < NW; ++w) tmax = fmaxf(tmax, red_s[w * R + row]);
+        // Lazy rescale: the reference max moves only when the tile's max exceeds it by more than
+        // 8 (log2 units), so P stays <= 2^8 and the accumulator rescale is rare after the first
+        // tiles. Every warp takes the same decision from the same inputs.
+        const float mo = m_r[mt][hf];
+        const float mn = tmax > mo + 8.f ? tmax : mo;
+        const float ms = mn == NEG_INF ? 0.f : mn;
+        const float alpha = mn == mo ? 1.f : ex2(mo - ms);
+        m_r[mt][hf] = mn;
+        float ls = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const float p0 = ex2(s[mt][nt][2 * hf] - ms);
+          const float p1 = ex2(s[mt][nt][2 * hf + 1] - ms);
+          ls += p0 + p1;
+          sts32(p_s + row * PP + (warp * 16 + 8 * nt + 2 * c) * 2,
+                pack_f16(p0 * vsc[nt][0], p1 * vsc[nt][1]));
+        }
+        l_r[mt][hf] = l_r[mt][hf] * alpha + ls;
+        if (warp == 0 && c == 0) alpha_s[row] = alpha;
+      }
+    __syncthreads();  // P and alpha of all warps
+
+    // ---- O^T += V^T P^T over this warp's D/4 output dims
+    {
+      float al[N8][2];
+      bool rescale = false;
+#pragma unroll
+      for (int j = 0; j < N8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          al[j][e] = alpha_s[8 * j + 2 * c + e];
+          rescale |= al[j][e] != 1.f;
+        }
+      if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+        for (int t = 0; t < MTD; ++t)
+#pragma unroll
+          for (int j = 0; j < N8; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[t][j][i] *= al[j][i & 1];
+      }
+    }
+    const u32 v0 = st + shift + D + 4 + warp * DW + 4 * g;
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      u32 af[MTD][4];
+#pragma unroll
+      for (int kp = 0; kp < 2; ++kp) {
+        const int key = 16 * kk + 8 * kp + 2 * c;
+#pragma unroll
+        for (int wd = 0; wd < WV; ++wd) {
+          const u32 w0 = lds32(v0 + key * RP + 32 * wd);
+          const u32 w1 = lds32(v0 + (key + 1) * RP + 32 * wd);
+          u32 hv[4];
+          i8x4_to_f16(prmt(w0, w1, 0x5140u), hv[0], hv[1]);  // d +0, +1 of keys (key, key + 1)
+          i8x4_to_f16(prmt(w0, w1, 0x7362u), hv[2], hv[3]);  // d +2, +3
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int f = 4 * wd + j;  // -> m16 tile f % MTD, row half f / MTD
+            af[f % MTD][f / MTD + 2 * kp] = hv[j];
+          }
+        }
+      }
+      u32 bfr[N8][2];
+#pragma unroll
+      for (int j = 0; j + 1 < N8; j += 2) {
+        u32 r4[4];
+        ldmatrix_x4(r4, p_ld + j * 8 * PP + kk * 32);
+        bfr[j][0] = r4[0], bfr[j][1] = r4[1], bfr[j + 1][0] = r4[2], bfr[j + 1][1] = r4[3];
+      }
+      if (N8 & 1) ldmatrix_x2(bfr[N8 - 1][0], bfr[N8 - 1][1], p_ld + (N8 - 1) * 8 * PP + kk * 32);
+#pragma unroll
+      for (int t = 0; t < MTD; ++t)
+#pragma unroll
+        for (int j = 0; j < N8; ++j) mma16816(acc[t][j], af[t], bfr[j][0], bfr[j][1]);
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue: row sums over the quad and the warps; running max from warp 0
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float l = l_r[mt][hf];
+      l += shfl_xor(l, 1);
+      l += shfl_xor(l, 2);
+      const int row = 16 * mt + g + 8 * hf;
+      if (c == 0) red_s[warp * R + row] = l;
+      if (warp == 0 && c == 0) m_s[row] = m_r[mt][hf];
+    }
+  __syncthreads();
+
+#pragma unroll
+  for (int j = 0; j < N8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int row = 8 * j + 2 * c + e;
+      if (row >= rows) continue;
+      float l = 0.f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) l += red_s[w * R + row];
+      const int t = row / G, grp = row - (row / G) * G;
+      const i64 tok = q_start + q_lo + t;
+      const int hq = h * G + grp;
+      if (num_splits == 1) {
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        unsigned short* o = out + tok * stride_o_tok + (i64)hq * stride_o_head + warp * DW + 4 * g;
+#pragma unroll
+        for (int wd = 0; wd < WV; ++wd) {
+          float v[4];
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            const int f = 4 * wd + jj;
+            v[jj] = acc[f % MTD][j][2 * (f / MTD) + e] * inv;
+          }
+          uint2 pk;
+          pk.x = pack_out<BF16>(v[0], v[1]);
+          pk.y = pack_out<BF16>(v[2], v[3]);
+          *reinterpret_cast<uint2*>(o + 32 * wd) = pk;
+        }
+      } else {
+        const i64 pr = (tok * Hq + hq) * num_splits + split;
+        float* pa = part_acc + pr * D + warp * DW + 4 * g;
+#pragma unroll
+        for (int wd = 0; wd < WV; ++wd) {
+          float4 v;
+          v.x = acc[(4 * wd + 0) % MTD][j][2 * ((4 * wd + 0) / MTD) + e];
+          v.y = acc[(4 * wd + 1) % MTD][j][2 * ((4 * wd + 1) / MTD) + e];
+          v.z = acc[(4 * wd + 2) % MTD][j][2 * ((4 * wd + 2) / MTD) + e];
+          v.w = acc[(4 * wd + 3) % MTD][j][2 * ((4 * wd + 3) / MTD) + e];
+          *reinterpret_cast<float4*>(pa + 32 * wd) = v;
+        }
+        if (warp == 0 && g == 0) {
+          part_ml[pr * 2] = m_s[row];
+          part_ml[pr * 2 + 1] = l;
+        }
+      }
+    }
+}
+
+// Merge the splits' partials: one CTA of 256 threads per (token, query head). The partials were
+// just written and sit in L2, so the cost is latency: the splits are spread over SG = 256 / (D/4)
+// thread groups (4 at D=256) that each walk S / SG of them with independent loads, and the groups'
+// sums are added in shared memory.
+template <int D, bool BF16>
+__global__ void __launch_bounds__(256) verify_attn_combine(
+    unsigned short* __restrict__ out,     // [N, Hq, D]
+    const float* __restrict__ part_acc,   // [N, Hq, S, D]
+    const float* __restrict__ part_ml,    // [N, Hq, S, 2]
+    int num_splits, int Hq, int stride_o_tok, int stride_o_head) {
+  using namespace va;
+  constexpr int L = D / 4;        // threads per split group (4 dims each)
+  constexpr int SG = 256 / L;     // split groups
+  __shared__ float red[8];
+  __shared__ float4 acc_s[SG][L];
+  __shared__ float den_s[SG];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rowi = blockIdx.x;
+  const int tok = rowi / Hq, hq = rowi - (rowi / Hq) * Hq;
+  const float* ml = part_ml + (i64)rowi * num_splits * 2;
+
+  float mmax = NEG_INF;
+  for (int s = tid; s < num_splits; s += 256) mmax = fmaxf(mmax, ml[2 * s]);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) mmax = fmaxf(mmax, shfl_xor(mmax, o));
+  if (lane == 0) red[warp] = mmax;
+  __syncthreads();
+  mmax = red[0];
+#pragma unroll
+  for (int w = 1; w < 8; ++w) mmax = fmaxf(mmax, red[w]);
+
+  const int sg = tid / L, d4 = tid - (tid / L) * L;
+  const float* pa = part_acc + (i64)rowi * num_splits * D + 4 * d4;
+  float den = 0.f;
+  float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+  for (int s = sg; s < num_splits; s += SG) {
+    const float m = ml[2 * s];
+    const float l = ml[2 * s + 1];
+    const float4 v = *reinterpret_cast<const float4*>(pa + (i64)s * D);
+    // m = -inf: no visible key in that split (its accumulator is zero or, if empty, unwritten).
+    const float w = m == NEG_INF ? 0.f : ex2(m - mmax);
+    den += w * l;
+    if (w > 0.f) a.x += w * v.x, a.y += w * v.y, a.z += w * v.z, a.w += w * v.w;
+  }
+  acc_s[sg][d4] = a;
+  if (d4 == 0) den_s[sg] = den;
+  __syncthreads();
+  if (sg == 0) {
+#pragma unroll
+    for (int k = 1; k < SG; ++k) {
+      const float4 v = acc_s[k][d4];
+      a.x += v.x, a.y += v.y, a.z += v.z, a.w += v.w;
+      den += den_s[k];
+    }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    uint2 pk;
+    pk.x = pack_out<BF16>(a.x * inv, a.y * inv);
+    pk.y = pack_out<BF16>(a.z * inv, a.w * inv);
+    *reinterpret_cast<uint2*>(out + (i64)tok * stride_o_tok + (i64)hq * stride_o_head + 4 * d4) = pk;
+  }
+}
