@@ -81,6 +81,7 @@ def engine_env(profile: Profile, base: dict[str, str] | None = None) -> dict[str
     if e.max_model_len > 8192:
         # SmolLM2's trained window is 8K; harnesses (Hermes) refuse models under 64K.
         env.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    env.update(e.plugin_env())
     env.update(e.env)
     return env
 

@@ -40,15 +40,47 @@ class ModelSource(_Strict):
         return self
 
 
+class LookupFusion(_Strict):
+    """LABD: lookup drafts (kernels.lookup_scan over each request's history) fused into the DFlash
+    drafter's proposal; our plugin + patch 0004, not a vLLM option (backend/plugin/labd.py)."""
+
+    min_n: int = Field(default=4, ge=1, le=31)  # NSTRONG: shortest match that overrides the drafter
+    max_n: int = Field(default=16, ge=1, le=31)
+    agree: int = Field(default=0, ge=0)  # AGREE: the drafter's first tokens must match too
+
+    def to_env(self) -> dict[str, str]:
+        return {
+            "HYPERHARNESS_LABD": "1",
+            "HYPERHARNESS_LABD_MIN_N": str(self.min_n),
+            "HYPERHARNESS_LABD_MAX_N": str(self.max_n),
+            "HYPERHARNESS_LABD_AGREE": str(self.agree),
+        }
+
+
 class Speculative(_Strict):
     method: Literal["dflash", "mtp", "ngram"]
     model: str | None = None  # drafter repo / path (dflash)
     num_speculative_tokens: int = Field(ge=1, le=32)
     draft_sample_method: Literal["greedy", "probabilistic"] | None = None
     disable_eagle_block_drop: bool | None = None
+    labd: LookupFusion | None = None  # ours (plugin env), never passed to vLLM
+
+    @model_validator(mode="after")
+    def _labd_fits(self) -> "Speculative":
+        if self.labd is not None:
+            if self.method != "dflash":
+                raise ValueError("speculative.labd fuses lookup into the DFlash drafter: method must be dflash")
+            if self.labd.min_n > self.labd.max_n:
+                raise ValueError("speculative.labd: min_n must be <= max_n")
+            if self.labd.agree > self.num_speculative_tokens:
+                raise ValueError("speculative.labd: agree must be <= num_speculative_tokens")
+        return self
 
     def to_json(self) -> dict:
-        return self.model_dump(exclude_none=True)
+        return self.model_dump(exclude_none=True, exclude={"labd"})
+
+    def plugin_env(self) -> dict[str, str]:
+        return self.labd.to_env() if self.labd is not None else {"HYPERHARNESS_LABD": "0"}
 
 
 class Drafter(_Strict):
@@ -90,6 +122,10 @@ class Engine(_Strict):
     drafter: Drafter | None = None
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = Field(default_factory=dict)
+
+    def plugin_env(self) -> dict[str, str]:
+        """The HYPERHARNESS_* switches this profile sets for our vLLM plugin (before `env`)."""
+        return self.speculative.plugin_env() if self.speculative else {"HYPERHARNESS_LABD": "0"}
 
     @model_validator(mode="after")
     def _coherent(self) -> "Engine":

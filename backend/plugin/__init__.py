@@ -57,6 +57,9 @@ def register() -> None:
     settings = PluginSettings.from_env()
     if not settings.enabled:
         return
+    from backend.plugin import labd_speculator  # HYPERHARNESS_LABD=1: lookup fused into DFlash (0004)
+
+    labd_speculator.install()
     if settings.engine_auth:
         from backend.plugin import auth
 
