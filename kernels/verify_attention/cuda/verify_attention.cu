@@ -170,7 +170,6 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split(
   constexpr int BN = VA_BN;
   constexpr int NW = VA_THREADS / 32;
   constexpr int RP = 2 * D + 16;       // shared row pitch of one key's window (bytes)
-  constexpr int NCH = RP / 16;         // 16-byte chunks per key window
   constexpr int QP = 2 * D + 16;       // Q row pitch (bytes), = 16 mod 128: ldmatrix conflict-free
   constexpr int PP = 2 * BN + 16;      // P row pitch (bytes), = 16 mod 128
   constexpr int R = 16 * MT;           // query rows held (padded)
@@ -220,19 +219,24 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split(
   // 0..15 look up the window address of one key each; a copy round then moves D / 8 chunks of
   // 256 / D keys (512 contiguous bytes per key at D = 256), and one last round the final chunk of
   // all 16 keys. Keys past the split's end are zero-filled (no read): scale 0, masked anyway.
-  auto issue = [&](int tile) {
-    constexpr int CK = D / 8;     // chunks per key in the main rounds (NCH = CK + 1)
+  // The block-table entry of each key is loaded one tile ahead of its copy (lookup), so the
+  // dependent global load does not stall the warp at the top of every tile (ncu: long scoreboard).
+  auto lookup = [&](int tile, int& blk, int& slot) {
+    const int key = n_start + tile * BN + warp * 16 + (lane & 15);
+    blk = -1, slot = 0;
+    if (tile < ntiles && key < n_end) {
+      const int lp = key / page;
+      slot = key - lp * page;
+      blk = block_table[(i64)b * stride_bt + lp];
+    }
+  };
+  auto issue = [&](int tile, int blk, int slot) {
+    constexpr int CK = D / 8;     // chunks per key in the main rounds (RP / 16 = CK + 1)
     constexpr int KPR = 32 / CK;  // keys per main round
     const int kb = n_start + tile * BN + warp * 16;
-    const int key = kb + (lane & 15);
     u64 src = reinterpret_cast<u64>(kv);
-    if (key < n_end) {
-      const int lp = key / page;
-      const int slot = key - lp * page;
-      const int blk = block_table[(i64)b * stride_bt + lp];
-      src = reinterpret_cast<u64>(kv) + (u64)((i64)blk * stride_kv_blk + (i64)slot * stride_kv_slot +
-                                              (i64)h * stride_kv_head - shift);
-    }
+    if (blk >= 0)
+      src += (u64)((i64)blk * stride_kv_blk + (i64)slot * stride_kv_slot + (i64)h * stride_kv_head - shift);
     const u32 dst = kv_s + (tile % STAGES) * (BN * RP) + warp * 16 * RP;
     const int kl = lane / CK, ch = lane % CK;
 #pragma unroll
@@ -243,16 +247,19 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split(
       cp_async16(dst + kk * RP + ch * 16, ok ? a + ch * 16 : a, ok ? 16 : 0);
     }
     if (lane < 16) {
-      const bool ok = key < n_end;
+      const bool ok = blk >= 0;
       cp_async16(dst + lane * RP + CK * 16, ok ? src + CK * 16 : src, ok ? 16 : 0);
     }
   };
 
+  int nblk, nslot;  // block-table lookup of the next tile to copy
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ntiles) issue(s);
+    lookup(s, nblk, nslot);
+    if (s < ntiles) issue(s, nblk, nslot);
     cp_async_commit();
   }
+  lookup(STAGES - 1, nblk, nslot);
 
   // ---- Q -> shared memory, fp16, pre-scaled, contraction index permuted within each 16-chunk:
   // physical d = 16 s + 4 c + e (e < 4) goes to logical k = 2c + e (e < 2) or 8 + 2c + e - 2, the
@@ -303,20 +310,24 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split(
   for (int it = 0; it < ntiles; ++it) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile `it` landed for every thread; every warp is done with tile it - 1
-    if (it + STAGES - 1 < ntiles) issue(it + STAGES - 1);
+    if (it + STAGES - 1 < ntiles) issue(it + STAGES - 1, nblk, nslot);
     cp_async_commit();
+    lookup(it + STAGES, nblk, nslot);
 
     const u32 st = kv_s + (it % STAGES) * (BN * RP);
     const int kb = n_start + it * BN;
 
     // ---- S = Q K^T for this warp's 16 keys: s[mt][nt] is rows 16 mt.., keys 16 w + 8 nt..
-    float s[MT][2][4];
+    // Even and odd k-steps accumulate separately: two independent mma chains per output tile
+    // halve the chain of dependent mma latencies (the kernel is latency-bound at 2 warps per
+    // scheduler; ncu: "wait" was the top stall).
+    float s[MT][2][4], s2[MT][2][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) s[mt][nt][i] = 0.f;
+        for (int i = 0; i < 4; ++i) s[mt][nt][i] = 0.f, s2[mt][nt][i] = 0.f;
     const u32 k0 = st + (warp * 16 + g) * RP + shift + 4 * c;
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
@@ -327,10 +338,16 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split(
       for (int mt = 0; mt < MT; ++mt) {
         u32 a[4];
         ldmatrix_x4(a, q_ld + mt * 16 * QP + ks * 32);
-        mma16816(s[mt][0], a, b0[0], b0[1]);
-        mma16816(s[mt][1], a, b1[0], b1[1]);
+        mma16816((ks & 1) ? s2[mt][0] : s[mt][0], a, b0[0], b0[1]);
+        mma16816((ks & 1) ? s2[mt][1] : s[mt][1], a, b1[0], b1[1]);
       }
     }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[mt][nt][i] += s2[mt][nt][i];
 
     // ---- scales, masks, row max over this warp's keys
     float vsc[2][2];
