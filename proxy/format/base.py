@@ -160,5 +160,15 @@ class ChatFormat(ABC):
         enable_thinking: bool = True,
         tools: Sequence[Tool] | None = None,
         tool_call_id: ToolCallIdFactory | None = None,
+        tool_calls: bool = True,
     ) -> OutputParser:
-        """A fresh incremental parser for one generation."""
+        """A fresh incremental parser for one generation. Without `tool_calls` (`tool_choice:
+        "none"`) tool-call markup is not parsed into calls (vLLM suppresses it)."""
+
+    def forced_tool_outputs(
+        self, tools: Sequence[Tool], name: str | None, *, parallel: bool = True
+    ) -> dict[str, Any] | None:
+        """vLLM `structured_outputs` params that make the model call a tool in this format's own
+        tool-call syntax: the function `name`, or any of `tools` (`tool_choice: "required"`).
+        None when the format has no tool-call syntax; the caller then forces JSON instead."""
+        return None

@@ -165,6 +165,7 @@ class JinjaFormat(ChatFormat):
         enable_thinking: bool = True,
         tools: Sequence[Tool] | None = None,
         tool_call_id: ToolCallIdFactory | None = None,
+        tool_calls: bool = True,
     ) -> OutputParser:
         return PlainParser(self.tokenizer, self.tokenizer.special_ids | self._stop)
 

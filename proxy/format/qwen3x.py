@@ -376,6 +376,7 @@ class Qwen3xFormat(ChatFormat):
         enable_thinking: bool = True,
         tools: Sequence[Tool] | None = None,
         tool_call_id: ToolCallIdFactory | None = None,
+        tool_calls: bool = True,
     ) -> OutputParser:
         return Qwen3xParser(
             self.tokenizer,
@@ -384,4 +385,57 @@ class Qwen3xFormat(ChatFormat):
             style=self.tool_call_style,
             tool_call_id=tool_call_id,
             drop_ids=self._drop | self._stop,
+            tool_calls=tool_calls,
         )
+
+    def forced_tool_outputs(
+        self, tools: Sequence[Tool], name: str | None, *, parallel: bool = True
+    ) -> dict[str, Any] | None:
+        """An xgrammar structural tag in the template's call syntax, as vLLM builds for its
+        `qwen3_coder` (xgrammar's builtin `qwen_3_coder`) and `hermes` tool parsers. It starts
+        where reasoning ends (the engine's reasoning parser gates it), like vLLM's chat endpoint."""
+        chosen = [t for t in tools if name is None or (t.get("function") or {}).get("name") == name]
+        if self.tool_call_style == "xml":
+            tags = [
+                {
+                    "type": "tag",
+                    "begin": f"<tool_call>\n<function={t['function']['name']}>\n",
+                    "content": {"type": "json_schema", "json_schema": _parameters(t), "style": "qwen_xml"},
+                    "end": "\n</function>\n</tool_call>",
+                }
+                for t in chosen
+            ]
+            if name is not None:
+                fmt: dict[str, Any] = tags[0]
+            else:
+                fmt = {
+                    "type": "triggered_tags",
+                    "triggers": ["<tool_call>\n<function="],
+                    "tags": tags,
+                    "at_least_one": True,
+                    "stop_after_first": not parallel,
+                    "excludes": ["<think>", "</think>"],
+                }
+        else:
+            tags = [
+                {
+                    "type": "tag",
+                    "begin": '<tool_call>\n{"name": "' + t["function"]["name"] + '", "arguments": ',
+                    "content": {"type": "json_schema", "json_schema": _parameters(t)},
+                    "end": "}\n</tool_call>",
+                }
+                for t in chosen
+            ]
+            fmt = {
+                "type": "tags_with_separator",
+                "tags": tags,
+                "separator": "\n",
+                "at_least_one": True,
+                "stop_after_first": name is not None or not parallel,
+            }
+        return {"structural_tag": json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)}
+
+
+def _parameters(tool: Mapping[str, Any]) -> Any:
+    params = (tool.get("function") or {}).get("parameters")
+    return params if params else {"type": "object", "properties": {}}

@@ -165,7 +165,10 @@ class Qwen3xParser(OutputParser):
         style: str = "xml",
         tool_call_id: ToolCallIdFactory | None = None,
         drop_ids: frozenset[int] | None = None,
+        tool_calls: bool = True,
     ) -> None:
+        """Without `tool_calls` (tool_choice "none") calls are still recognised, so their markup
+        stays out of the content, but never reported: vLLM's parser engine suppresses them."""
         self._decoder = IncrementalDecoder(tokenizer)
         self._think_start = tokenizer.token_id("<think>")
         self._think_end = tokenizer.token_id("</think>")
@@ -191,6 +194,11 @@ class Qwen3xParser(OutputParser):
         self._ws_held = ""
         self._batch_content: list[str] = []
         self._finished = False
+        self._suppress = not tool_calls
+
+    @property
+    def _has_calls(self) -> bool:
+        return bool(self._calls) and not self._suppress
 
     # -- feeding -------------------------------------------------------------------------
 
@@ -289,7 +297,7 @@ class Qwen3xParser(OutputParser):
             self._reasoning.append(text)
             self._out.append(Delta(DeltaKind.REASONING, text))
         elif state is _State.CONTENT:
-            (self._content_after if self._calls else self._content).append(text)
+            (self._content_after if self._has_calls else self._content).append(text)
             self._batch_content.append(text)
         elif state is _State.NAME:
             self._calls[-1].name += text
@@ -357,16 +365,18 @@ class Qwen3xParser(OutputParser):
                 self._ws_held = ""
                 if text.strip():
                     self._content_started = True
-                elif self._calls:
+                elif self._has_calls:
                     text = ""
                 elif not finished:
                     self._ws_held, text = text, ""
             if text:
                 self._out.append(Delta(DeltaKind.CONTENT, text))
-        elif finished and self._ws_held and not self._calls:
+        elif finished and self._ws_held and not self._has_calls:
             self._out.append(Delta(DeltaKind.CONTENT, self._ws_held))
             self._ws_held = ""
         out, self._out = self._out, []
+        if self._suppress:
+            out = [d for d in out if d.kind is DeltaKind.CONTENT or d.kind is DeltaKind.REASONING]
         return out
 
     # -- result --------------------------------------------------------------------------
@@ -375,7 +385,7 @@ class Qwen3xParser(OutputParser):
         calls = tuple(
             ToolCall(c.id, c.name.strip() if not self._json_style else c.name, self._final_args(c))
             for c in self._calls
-            if c.name_sent
+            if c.name_sent and not self._suppress
         )
         # vLLM's non-streaming path parses the output as one streaming batch: text after the
         # first call is deferred and lost once a call was parsed; whitespace-only content is
@@ -383,7 +393,7 @@ class Qwen3xParser(OutputParser):
         content = "".join(self._content)
         if not any(c.name_sent for c in self._calls):
             content += "".join(self._content_after)
-        if self._calls and not content.strip():
+        if self._has_calls and not content.strip():
             content = ""
         if calls:
             content = content.strip()

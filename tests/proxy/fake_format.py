@@ -118,5 +118,5 @@ class ToyFormat(ChatFormat):
             ids += _msg(m)
         return ids + [IM_START] + enc("assistant\n")
 
-    def parser(self, *, enable_thinking=True, tools=None, tool_call_id=None) -> OutputParser:  # type: ignore[no-untyped-def,override]
+    def parser(self, *, enable_thinking=True, tools=None, tool_call_id=None, tool_calls=True) -> OutputParser:  # type: ignore[no-untyped-def,override]
         return ToyParser(tool_call_id or (lambda: "call_x"))
