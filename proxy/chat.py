@@ -29,10 +29,12 @@ from proxy.chat_output import (
     tool_call_id,
     usage_dict,
 )
+from proxy.constraints import JsonToolCallParser, json_tool_outputs
 from proxy.errors import InvalidRequest, ProxyError, UpstreamError
 from proxy.format.base import ChatFormat, FormatError, OutputParser, ParsedOutput, Rendered
 from proxy.format.template import TemplateError
 from proxy.idstext import IdsText
+from proxy.logprobs import LogprobsBuilder
 from proxy.metrics import Metrics
 from proxy.normalize import NormalizedChat, cap_max_tokens, normalize, tools_key
 from proxy.protocol import parse_chat_request, validate_messages
@@ -63,6 +65,10 @@ class Plan:
     enable_thinking: bool
     max_tokens: int
     warmup: bool
+    # structured_outputs that force the tool_choice (None: not forced), and whether they force JSON
+    # (a format without its own tool-call syntax) that `JsonToolCallParser` turns into calls.
+    forced_outputs: dict[str, Any] | None = None
+    json_tools: bool = False
 
 
 class ChatService:
@@ -145,7 +151,10 @@ class ChatService:
             text = self.ids_text.encode(prompt)
         flag = headers.get(WARMUP_HEADER)
         warmup = self.warmup if flag is None else flag.strip() in ("1", "true", "yes")
+        forced, json_tools = self._forced_outputs(norm)
         return Plan(
+            forced_outputs=forced,
+            json_tools=json_tools,
             session=session,
             norm=norm,
             prompt=prompt,
@@ -158,6 +167,15 @@ class ChatService:
             max_tokens=max_tokens,
             warmup=warmup,
         )
+
+    def _forced_outputs(self, norm: NormalizedChat) -> tuple[dict[str, Any] | None, bool]:
+        choice = norm.tool_choice
+        if not choice.forced or not norm.tools:
+            return None, False
+        outputs = self.fmt.forced_tool_outputs(norm.tools, choice.name, parallel=norm.parallel_tool_calls)
+        if outputs is not None:
+            return outputs, False
+        return json_tool_outputs(norm.tools, choice, parallel=norm.parallel_tool_calls), True
 
     def _splice(self, found: Match, norm: NormalizedChat, enable_thinking: bool) -> tuple[array[int], str, list[int]]:
         snap = found.snapshot
@@ -201,13 +219,24 @@ class ChatService:
             "stop_token_ids": sorted(self.fmt.stop_token_ids),
             "skip_special_tokens": False,
         }
+        if plan.forced_outputs is not None:
+            given = body.get("structured_outputs")
+            body["structured_outputs"] = {**(given if isinstance(given, dict) else {}), **plan.forced_outputs}
         head = json.dumps(body, separators=(",", ":"))
         # The prompt is spliced in as text kept from the previous turn, so a 100K-token session
         # does not re-serialize 100K ids per request.
         return (head[:-1] + ',"prompt":[' + plan.prompt_text + "]}").encode()
 
     def parser(self, plan: Plan) -> OutputParser:
-        return self.fmt.parser(enable_thinking=plan.enable_thinking, tools=plan.norm.tools, tool_call_id=tool_call_id)
+        choice = plan.norm.tool_choice
+        if choice.mode == "none":
+            return self.fmt.parser(
+                enable_thinking=plan.enable_thinking, tools=plan.norm.tools, tool_call_id=tool_call_id, tool_calls=False
+            )
+        parser = self.fmt.parser(enable_thinking=plan.enable_thinking, tools=plan.norm.tools, tool_call_id=tool_call_id)
+        if plan.json_tools:
+            return JsonToolCallParser(parser, choice, tool_call_id)
+        return parser
 
     async def remember(self, plan: Plan, generated: list[int], finish: str, reply: dict[str, Any]) -> None:
         ids = array("I", plan.prompt)
@@ -273,12 +302,15 @@ class ChatTurn:
         self.generated: list[int] = []
         self.upstream_finish: str | None = None
         self.usage: dict[str, Any] | None = None
+        top = plan.norm.logprobs
+        self.logprobs = None if top is None else LogprobsBuilder(service.fmt.tokenizer, top)
 
     async def _events(self, parser: OutputParser) -> AsyncIterator[list[Any]]:
         """Parser deltas per upstream read (one or more events); records generated ids, finish reason
         and usage."""
         first = True
         prefilled = getattr(self.ticket, "prefilled", None)  # the scheduler: this prompt is now computed
+        lp = self.logprobs
         async for batch in self.stream.batches():
             if prefilled is not None:
                 prefilled()
@@ -291,6 +323,8 @@ class ChatTurn:
                     self.usage = event["usage"]
                 for choice in event.get("choices") or ():
                     new.extend(choice.get("token_ids") or ())
+                    if lp is not None:
+                        lp.add(choice.get("logprobs"), choice.get("token_ids") or [])
                     if choice.get("finish_reason"):
                         self.upstream_finish = choice["finish_reason"]
             if not new:
@@ -319,7 +353,9 @@ class ChatTurn:
             raise UpstreamError(f"generation ended with finish_reason={self.upstream_finish!r}")
         parsed = parser.result()
         reply = assistant_message(parsed)
-        finish = finish_reason(self.upstream_finish, bool(reply.get("tool_calls")))
+        # A named tool_choice ends with "stop" (OpenAI's and vLLM's rule), required/auto with "tool_calls".
+        called = bool(reply.get("tool_calls")) and self.plan.norm.tool_choice.mode != "named"
+        finish = finish_reason(self.upstream_finish, called)
         await self.service.remember(self.plan, self.generated, finish, reply)
         return parsed, reply, finish
 
@@ -332,8 +368,12 @@ class ChatTurn:
             ids_out = self.plan.norm.return_token_ids
             # Early: harness watchdogs count the time to the first byte.
             yield writer.role(self.plan.prompt if ids_out else None)
+            lp = self.logprobs
             async for deltas in self._events(parser):
-                chunk = writer.deltas(gate.filter(deltas))
+                if lp is None:
+                    chunk = writer.deltas(gate.filter(deltas))
+                else:  # the ids read so far ride on the next chunk that goes out
+                    chunk = writer.deltas(gate.filter(deltas), (lp.take() or None) if deltas else None)
                 if chunk:
                     yield chunk
             parsed, _, finish = await self._finish(parser)
@@ -343,7 +383,8 @@ class ChatTurn:
             for index, sent, final in gate.mismatches:
                 svc.metrics.argument_mismatches.inc()
                 log.error("tool call %d: streamed arguments %r differ from parsed %r", index, sent, final)
-            yield writer.finish(finish, self.generated if ids_out else None)
+            rest_lp = (lp.take() or None) if lp is not None else None
+            yield writer.finish(finish, self.generated if ids_out else None, rest_lp)
             if self.plan.norm.include_usage:
                 yield writer.usage(self._usage())
             else:
@@ -366,7 +407,8 @@ class ChatTurn:
                 pass
             _, reply, finish = await self._finish(parser)
             svc.metrics.requests.labels("chat", "200").inc()
-            body = completion_body(self.id, svc.model_name, reply, finish, self._usage())
+            lp = self.logprobs.body() if self.logprobs is not None else None
+            body = completion_body(self.id, svc.model_name, reply, finish, self._usage(), lp)
             if self.plan.norm.return_token_ids:
                 body["prompt_token_ids"] = self.plan.prompt.tolist()
                 body["choices"][0]["token_ids"] = list(self.generated)

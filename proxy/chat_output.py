@@ -68,9 +68,16 @@ class ChunkWriter:
         self._head = head.encode()
         self.tool_calls = 0
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs: list[Any] | None = None) -> bytes:
+        if logprobs is not None:
+            return self._chunk_logprobs(delta, finish, logprobs)
         tail = ',"logprobs":null,"finish_reason":' + (_dumps(finish) if finish else "null") + "}]}\n\n"
         return b"data: " + self._prefix + msgspec.json.encode(delta) + tail.encode()
+
+    def _chunk_logprobs(self, delta: dict[str, Any], finish: str | None, logprobs: list[Any]) -> bytes:
+        lp = b',"logprobs":{"content":' + msgspec.json.encode(logprobs) + b"}"
+        tail = ',"finish_reason":' + (_dumps(finish) if finish else "null") + "}]}\n\n"
+        return b"data: " + self._prefix + msgspec.json.encode(delta) + lp + tail.encode()
 
     def role(self, prompt_ids: Sequence[int] | None = None) -> bytes:
         if prompt_ids is None:
@@ -82,8 +89,11 @@ class ChunkWriter:
             b'"logprobs":null,"finish_reason":null}]}\n\n'
         )
 
-    def deltas(self, deltas: list[Delta]) -> bytes:
-        """One chunk per run of text deltas, one per tool-call event; b"" when nothing to send."""
+    def deltas(self, deltas: list[Delta], logprobs: list[Any] | None = None) -> bytes:
+        """One chunk per run of text deltas, one per tool-call event; b"" when nothing to send (iff
+        `deltas` is empty). `logprobs` (chat `logprobs.content` entries) ride on the first chunk."""
+        if logprobs is not None:
+            return self._deltas_logprobs(deltas, logprobs)
         out: list[bytes] = []
         text: dict[str, str] = {}
         for d in deltas:
@@ -100,6 +110,16 @@ class ChunkWriter:
             out.append(self._text_chunk(text))
         return b"".join(out)
 
+    def _deltas_logprobs(self, deltas: list[Delta], logprobs: list[Any]) -> bytes:
+        out = self.deltas(deltas)
+        if not out:
+            return out
+        first = out.index(b"\n\n") + 2
+        head = out[:first]
+        cut = head.rindex(b',"logprobs":null,')
+        lp = b',"logprobs":{"content":' + msgspec.json.encode(logprobs) + b"},"
+        return head[:cut] + lp + head[cut + len(b',"logprobs":null,') :] + out[first:]
+
     def _text_chunk(self, text: dict[str, str]) -> bytes:
         if "reasoning_content" in text:
             text["reasoning"] = text["reasoning_content"]
@@ -111,10 +131,13 @@ class ChunkWriter:
             return {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}}
         return {"index": d.index, "function": {"arguments": d.text}}
 
-    def finish(self, reason: str, token_ids: Sequence[int] | None = None) -> bytes:
+    def finish(
+        self, reason: str, token_ids: Sequence[int] | None = None, logprobs: list[Any] | None = None
+    ) -> bytes:
         if token_ids is None:
-            return self._chunk({}, reason)
-        tail = f',"logprobs":null,"finish_reason":{_dumps(reason)},"token_ids":{_dumps(list(token_ids))}}}]}}\n\n'
+            return self._chunk({}, reason, logprobs)
+        lp = "null" if logprobs is None else '{"content":' + msgspec.json.encode(logprobs).decode() + "}"
+        tail = f',"logprobs":{lp},"finish_reason":{_dumps(reason)},"token_ids":{_dumps(list(token_ids))}}}]}}\n\n'
         return b"data: " + self._prefix + b"{}" + tail.encode()
 
     def usage(self, usage: dict[str, Any]) -> bytes:
@@ -177,13 +200,18 @@ def assistant_message(parsed: ParsedOutput) -> dict[str, Any]:
 
 
 def completion_body(
-    cid: str, model: str, message: dict[str, Any], finish: str, usage: dict[str, Any]
+    cid: str,
+    model: str,
+    message: dict[str, Any],
+    finish: str,
+    usage: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": cid,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
         "usage": usage,
     }

@@ -18,11 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.errors import ContextLengthExceeded
+from proxy import constraints
+from proxy.constraints import ToolChoice
+from proxy.errors import ContextLengthExceeded, InvalidRequest
 from proxy.protocol import ChatRequest
 
 # Sampling fields forwarded to vLLM /v1/completions; everything else is dropped (store, metadata,
-# prompt_cache_key, prompt_cache_retention, service_tier, parallel_tool_calls, ...).
+# prompt_cache_key, prompt_cache_retention, service_tier, ...). `response_format`, `tool_choice` and
+# `logprobs` are mapped by proxy/constraints.py.
 SAMPLING_FIELDS = (
     "temperature",
     "top_p",
@@ -49,8 +52,10 @@ class NormalizedChat:
     max_tokens: int | None
     stream: bool
     include_usage: bool
-    tool_choice: Any = None
+    tool_choice: ToolChoice = constraints.AUTO
     return_token_ids: bool = False  # vLLM's extension: prompt_token_ids / token_ids in the response
+    logprobs: int | None = None  # top_logprobs count when the client asked for logprobs
+    parallel_tool_calls: bool = True
 
 
 def stable_tool_definitions(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -99,12 +104,28 @@ def drop_unsupported_fields(req: ChatRequest) -> dict[str, Any]:
     for name in VLLM_EXTRA_FIELDS:
         if extra.get(name) is not None:
             sampling[name] = extra[name]
-    if sampling.get("logprobs") is True:
-        sampling["logprobs"] = sampling.pop("top_logprobs", 0) or 0
-    else:
-        sampling.pop("logprobs", None)
-        sampling.pop("top_logprobs", None)
+    sampling.pop("logprobs", None)
+    sampling.pop("top_logprobs", None)
+    top = constraints.top_logprobs(req.logprobs, req.top_logprobs)
+    if top is not None:
+        sampling["logprobs"] = top
+        # Ids rather than decoded strings as logprob keys: exact bytes, no collisions in top_logprobs.
+        sampling["return_tokens_as_token_ids"] = True
+    outputs = constraints.response_format_outputs(req.response_format)
+    if outputs is not None:
+        # response_format overrides the constraint kinds it sets, as vLLM's own merge does.
+        given = sampling.get("structured_outputs")
+        base = {k: v for k, v in given.items() if k not in _CONSTRAINT_KINDS} if isinstance(given, dict) else {}
+        sampling["structured_outputs"] = {**base, **outputs}
     return sampling
+
+
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+def has_constraint(sampling: Mapping[str, Any]) -> bool:
+    so = sampling.get("structured_outputs")
+    return isinstance(so, dict) and any(so.get(k) not in (None, False) for k in _CONSTRAINT_KINDS)
 
 
 def cap_max_tokens(requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
@@ -125,14 +146,24 @@ def normalize(req: ChatRequest, body: Mapping[str, Any], template_defaults: Mapp
     tools = stable_tool_definitions(list(body["tools"]) if req.tools else None)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    choice = constraints.tool_choice(req.tool_choice, tools)
+    sampling = drop_unsupported_fields(req)
+    if choice.forced and has_constraint(sampling):
+        raise InvalidRequest(
+            "tool_choice that forces a tool call cannot be combined with response_format or structured"
+            " outputs: use one or the other",
+            param="tool_choice",
+        )
     return NormalizedChat(
         messages=messages,
         tools=tools,
         template_kwargs=thinking_kwargs(req, template_defaults),
-        sampling=drop_unsupported_fields(req),
+        sampling=sampling,
         max_tokens=requested,
         stream=req.stream,
         include_usage=include_usage,
-        tool_choice=req.tool_choice,
+        tool_choice=choice,
         return_token_ids=(req.model_extra or {}).get("return_token_ids") is True,
+        logprobs=sampling.get("logprobs"),
+        parallel_tool_calls=req.parallel_tool_calls is not False,
     )

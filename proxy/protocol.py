@@ -80,6 +80,8 @@ class ChatRequest(_Open):
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[ToolDef] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: Any = None  # checked by proxy.constraints (its own 400s)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=0)

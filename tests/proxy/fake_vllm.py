@@ -94,6 +94,8 @@ class FakeVLLM:
                 "token_ids": [tid],
                 "finish_reason": finish if i == len(ids) - 1 else None,
             }
+            if body.get("logprobs") is not None:
+                choice["logprobs"] = _logprobs(tid, body["logprobs"], bool(body.get("return_tokens_as_token_ids")))
             event: dict[str, Any] = {**base, "choices": [choice]}
             if i == 0 and isinstance(prompt, list):
                 event["prompt_token_ids"] = prompt
@@ -141,6 +143,18 @@ class FakeVLLM:
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
+
+
+def _logprobs(tid: int, top: int, as_ids: bool) -> dict[str, Any]:
+    """vLLM completions logprobs for one sampled id: logprob -(tid % 7) / 10, and `top` + 1
+    alternatives (the sampled id first, then tid + 1, tid + 2, ...), keyed as vLLM keys them."""
+
+    def key(t: int) -> str:
+        return f"token_id:{t}" if as_ids else chr(t) if t < 2**21 else ""
+
+    value = -(tid % 7) / 10
+    alts = {key(tid): value} | {key(tid + k): value - k for k in range(1, top + 1)}
+    return {"text_offset": [0], "token_logprobs": [value], "tokens": [key(tid)], "top_logprobs": [alts]}
 
 
 @asynccontextmanager

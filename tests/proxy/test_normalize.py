@@ -57,7 +57,11 @@ def test_thinking_kwargs(extra, expected) -> None:  # type: ignore[no-untyped-de
 def test_drop_unsupported_fields() -> None:
     r = req(store=False, prompt_cache_key="k", metadata={"a": 1}, temperature=0, seed=3, parallel_tool_calls=True)
     assert drop_unsupported_fields(r) == {"temperature": 0, "seed": 3}
-    assert drop_unsupported_fields(req(logprobs=True, top_logprobs=2)) == {"logprobs": 2}
+    assert drop_unsupported_fields(req(logprobs=True, top_logprobs=2)) == {
+        "logprobs": 2,
+        "return_tokens_as_token_ids": True,  # ids as logprob keys: exact bytes, no collisions
+    }
+    assert drop_unsupported_fields(req(logprobs=False, top_logprobs=2)) == {}
 
 
 def test_cap_max_tokens() -> None:

@@ -1,0 +1,263 @@
+"""`response_format`, `tool_choice` and `logprobs` of a chat request, as vLLM's /v1/completions takes
+them: validated here (an OpenAI 400 naming the field), then turned into `structured_outputs`.
+
+vLLM 0.32's chat endpoint does the same mapping on its side (`response_format` → `structured_outputs`
+json/json_object; `tool_choice` required/named → an xgrammar structural tag in the model's own
+tool-call syntax when its tool parser has one (`qwen3_coder`), else a JSON schema whose output is
+parsed as JSON: the named function's arguments, or a list of `{name, parameters}`); since we send
+token ids to /v1/completions, we build those constraints ourselves. The constraint only restricts
+what the engine samples: the prompt is not touched (nothing is prefilled), so the transcript stays
+prompt ids + generated ids.
+
+`tool_choice: "none"` keeps the tools in the prompt (vLLM's default) and turns tool-call parsing off.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.errors import InvalidRequest
+from proxy.format.base import Delta, DeltaKind, OutputParser, ParsedOutput, ToolCall, ToolCallIdFactory
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """`mode`: auto | none | required | named (then `name` is the function)."""
+
+    mode: str = "auto"
+    name: str | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+
+AUTO = ToolChoice()
+_CORRECT = 'Correct usage: {"type": "function", "function": {"name": "my_function"}}'
+
+
+def tool_choice(value: Any, tools: Sequence[Mapping[str, Any]] | None) -> ToolChoice:
+    """The request's `tool_choice`, checked against its `tools` as vLLM checks it. `auto` and `none`
+    without tools are accepted (and mean nothing); a choice that forces a call needs the tool."""
+    if value is None or value == "auto":
+        return AUTO
+    if value == "none":
+        return ToolChoice("none")
+    if value == "required":
+        if not tools:
+            raise InvalidRequest('tool_choice "required" needs `tools`', param="tool_choice")
+        return ToolChoice("required")
+    if not isinstance(value, dict):
+        raise InvalidRequest(
+            f'invalid tool_choice {value!r}: expected "none", "auto", "required" or a named function',
+            param="tool_choice",
+        )
+    function = value.get("function")
+    if value.get("type", "function") != "function" or not isinstance(function, dict):
+        raise InvalidRequest(f"invalid tool_choice: {_CORRECT}", param="tool_choice")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest(f"invalid tool_choice.function.name: {_CORRECT}", param="tool_choice.function.name")
+    if not any((t.get("function") or {}).get("name") == name for t in tools or ()):
+        raise InvalidRequest(
+            f"tool_choice names the function {name!r}, which is not in `tools`", param="tool_choice.function.name"
+        )
+    return ToolChoice("named", name)
+
+
+# -- response_format --------------------------------------------------------------------------
+
+_SCHEMA_TYPES = frozenset(("object", "array", "string", "number", "integer", "boolean", "null"))
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    """The JSON Schema keywords the grammar compiler reads must have their schema types; a wrong one
+    would otherwise fail inside the engine. Unknown keywords are left to the engine."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"{where}: a JSON schema must be an object, got {type(schema).__name__}")
+    kind = schema.get("type")
+    if kind is not None:
+        kinds = kind if isinstance(kind, list) else [kind]
+        bad = [k for k in kinds if not isinstance(k, str) or k not in _SCHEMA_TYPES]
+        if bad or not kinds:
+            raise InvalidRequest(f"{where}.type: {kind!r} is not a JSON schema type")
+    required = schema.get("required")
+    if required is not None and (not isinstance(required, list) or not all(isinstance(r, str) for r in required)):
+        raise InvalidRequest(f"{where}.required: must be a list of property names")
+    enum = schema.get("enum")
+    if enum is not None and not isinstance(enum, list):
+        raise InvalidRequest(f"{where}.enum: must be a list")
+    for key in _SUBSCHEMA_MAPS:
+        sub = schema.get(key)
+        if sub is None:
+            continue
+        if not isinstance(sub, dict):
+            raise InvalidRequest(f"{where}.{key}: must be an object of schemas")
+        for name, value in sub.items():
+            _check_schema(value, f"{where}.{key}.{name}")
+    for key in _SUBSCHEMA_LISTS:
+        sub = schema.get(key)
+        if sub is None:
+            continue
+        if not isinstance(sub, list):
+            raise InvalidRequest(f"{where}.{key}: must be a list of schemas")
+        for i, value in enumerate(sub):
+            _check_schema(value, f"{where}.{key}.{i}")
+    for key in _SUBSCHEMAS:
+        if key in schema:
+            _check_schema(schema[key], f"{where}.{key}")
+
+
+def response_format_outputs(value: Any) -> dict[str, Any] | None:
+    """`response_format` as vLLM `structured_outputs` params (None for text/absent); a malformed
+    one is a 400 with `param: "response_format"`."""
+    try:
+        return _response_format(value)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"invalid response_format: {exc.message}", param="response_format") from None
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequest("expected an object with a `type`")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise InvalidRequest(f"type {kind!r} is not supported (text, json_object or json_schema)")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidRequest("type json_schema needs a `json_schema` object")
+    name = spec.get("name")
+    if name is not None and not isinstance(name, str):
+        raise InvalidRequest("json_schema.name must be a string")
+    schema = spec.get("schema", spec.get("json_schema"))
+    if schema is None:
+        # OpenAI lets the schema be left out: any JSON object.
+        return {"json_object": True}
+    _check_schema(schema, "json_schema.schema")
+    return {"json": schema}
+
+
+def top_logprobs(logprobs: bool | None, top: int | None) -> int | None:
+    """The `logprobs` count for vLLM (None when off); top_logprobs outside 0..20 is a 400."""
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(
+            f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}", param="top_logprobs"
+        )
+    if not logprobs:
+        return None
+    return top or 0
+
+
+# -- forcing a tool call without a native tool-call syntax --------------------------------------
+
+
+def _params(tool: Mapping[str, Any]) -> Any:
+    params = (tool.get("function") or {}).get("parameters")
+    return params if params else {"type": "object", "properties": {}}
+
+
+def _tool(tools: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any]:
+    return next(t for t in tools if (t.get("function") or {}).get("name") == name)
+
+
+def json_tool_outputs(
+    tools: Sequence[Mapping[str, Any]], choice: ToolChoice, *, parallel: bool = True
+) -> dict[str, Any]:
+    """vLLM's JSON forcing (its parsers without a structural tag): the named function's arguments
+    object, or for `required` a non-empty list of `{"name", "parameters"}`."""
+    if choice.mode == "named":
+        assert choice.name is not None
+        return {"json": _params(_tool(tools, choice.name))}
+    variants = [
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]}, "parameters": _params(t)},
+            "required": ["name", "parameters"],
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return {"json": schema}
+
+
+class JsonToolCallParser(OutputParser):
+    """Output constrained by `json_tool_outputs`, parsed into tool calls (vLLM's rules: a named call's
+    arguments are the output text as is; `required` output is a JSON list of calls; content is
+    None either way). The named call streams its arguments as they come; `required` calls are sent
+    whole at the end."""
+
+    def __init__(self, inner: OutputParser, choice: ToolChoice, new_id: ToolCallIdFactory) -> None:
+        self._inner = inner
+        self._choice = choice
+        self._new_id = new_id
+        self._text: list[str] = []
+        self._reasoning: list[str] = []
+        self._named_id: str | None = None
+        self._calls: tuple[ToolCall, ...] = ()
+
+    def _take(self, deltas: list[Delta]) -> list[Delta]:
+        out: list[Delta] = []
+        for d in deltas:
+            if d.kind is DeltaKind.REASONING:
+                self._reasoning.append(d.text)
+                out.append(d)
+            elif d.kind is DeltaKind.CONTENT:
+                self._text.append(d.text)
+                if self._choice.mode != "named":
+                    continue
+                if self._named_id is None:
+                    if not "".join(self._text).strip():
+                        continue
+                    self._named_id = self._new_id()
+                    out.append(Delta(DeltaKind.TOOL_CALL, index=0, id=self._named_id, name=self._choice.name))
+                    out.append(Delta(DeltaKind.ARGUMENTS, "".join(self._text), index=0))
+                else:
+                    out.append(Delta(DeltaKind.ARGUMENTS, d.text, index=0))
+        return out
+
+    def feed(self, token_ids: Sequence[int]) -> list[Delta]:
+        return self._take(self._inner.feed(token_ids))
+
+    def finish(self) -> list[Delta]:
+        out = self._take(self._inner.finish())
+        text = "".join(self._text)
+        if self._choice.mode == "named":
+            if self._named_id is not None:
+                self._calls = (ToolCall(self._named_id, self._choice.name or "", text),)
+            return out
+        calls = []
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, list):
+            for item in parsed:
+                if isinstance(item, dict) and isinstance(item.get("name"), str):
+                    args = json.dumps(item.get("parameters", {}), ensure_ascii=False)
+                    calls.append(ToolCall(self._new_id(), item["name"], args))
+        self._calls = tuple(calls)
+        for i, c in enumerate(self._calls):
+            out.append(Delta(DeltaKind.TOOL_CALL, index=i, id=c.id, name=c.name))
+            out.append(Delta(DeltaKind.ARGUMENTS, c.arguments, index=i))
+        return out
+
+    def result(self) -> ParsedOutput:
+        return ParsedOutput(None, "".join(self._reasoning) or None, self._calls)
