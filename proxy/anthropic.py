@@ -12,9 +12,11 @@ tree into the proxy process and was measured as a 10 ms / 550 µs-per-event rela
 Mapping (request): `system` -> a system message; user `tool_result` blocks -> `tool` messages (before the
 user's own text, in order); assistant `thinking` -> `reasoning_content`, `tool_use` -> `tool_calls` with
 JSON arguments; tools `input_schema` -> function `parameters` (server tools such as web search are
-dropped: nothing here can run them); `tool_choice` any/tool/none -> required/function/none;
+dropped: nothing here can run them); `tool_choice` any/tool/none -> required/function/none (enforced
+by the chat path with structured outputs; `disable_parallel_tool_use` -> `parallel_tool_calls: false`);
 `stop_sequences` -> `stop`. Response: `reasoning_content` -> a `thinking` block, `tool_calls` ->
-`tool_use` blocks; finish reasons stop/length/tool_calls -> end_turn/max_tokens/tool_use; cached prompt
+`tool_use` blocks; finish reasons stop/length/tool_calls -> end_turn/max_tokens/tool_use (and tool_use
+whenever a tool was called: a forced named call finishes with "stop" on the OpenAI side); cached prompt
 tokens are reported as `cache_read_input_tokens` (and left out of `input_tokens`, as Anthropic counts).
 """
 
@@ -184,6 +186,8 @@ def to_chat_request(body: dict[str, Any]) -> dict[str, Any]:
         choice = _tool_choice(body.get("tool_choice"))
         if choice is not None:
             chat["tool_choice"] = choice
+        if isinstance(body.get("tool_choice"), dict) and body["tool_choice"].get("disable_parallel_tool_use"):
+            chat["parallel_tool_calls"] = False
     for name in _CARRIED:
         if name in body:
             chat[name] = body[name]
@@ -212,8 +216,16 @@ def to_message(completion: dict[str, Any], model: str) -> dict[str, Any]:
         content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                         "input": _arguments(call["function"].get("arguments"))})
     return {"id": message_id(), "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn"),
+            "stop_reason": _stop_reason(choice.get("finish_reason"), bool(msg.get("tool_calls"))),
             "stop_sequence": None, "usage": usage_of(completion.get("usage"))}
+
+
+def _stop_reason(finish: str | None, called: bool) -> str:
+    """A forced call to a named function finishes with "stop" on the OpenAI side; Anthropic says
+    tool_use whenever the answer calls a tool."""
+    if called and finish in (None, "stop"):
+        return "tool_use"
+    return STOP_REASONS.get(finish or "stop", "end_turn")
 
 
 def _arguments(text: Any) -> dict[str, Any]:
@@ -249,6 +261,7 @@ class MessageStream:
         self.open: str | None = None  # "thinking" | "text" | "tool:<n>"
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
+        self.called = False
 
     def start(self) -> bytes:
         message: dict[str, Any] = {
@@ -302,6 +315,7 @@ class MessageStream:
                 if call.get("id") and self.open != key:
                     block = {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}}
                     out += self._switch(key, block)
+                    self.called = True
                 args = (call.get("function") or {}).get("arguments")
                 if args and self.open == key:
                     out.append(self._delta({"type": "input_json_delta", "partial_json": args}))
@@ -314,7 +328,7 @@ class MessageStream:
         usage = usage_of(self.usage)
         out.append(event("message_delta", {
             "type": "message_delta",
-            "delta": {"stop_reason": STOP_REASONS.get(self.finish or "stop", "end_turn"), "stop_sequence": None},
+            "delta": {"stop_reason": _stop_reason(self.finish, self.called), "stop_sequence": None},
             "usage": usage,
         }))
         out.append(event("message_stop", {"type": "message_stop"}))

@@ -76,6 +76,20 @@ def test_tool_choice(choice: dict[str, Any], expected: Any) -> None:
     assert chat["tool_choice"] == expected
 
 
+def test_disable_parallel_tool_use_and_named_stop_reason() -> None:
+    choice = {"type": "tool", "name": "read", "disable_parallel_tool_use": True}
+    chat = am.to_chat_request({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": choice})
+    assert chat["parallel_tool_calls"] is False
+    # A forced named call finishes with "stop" on the OpenAI side; Anthropic says tool_use.
+    call = {"id": "c", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+    completion = {"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": None,
+                                                                   "tool_calls": [call]}}]}
+    assert am.to_message(completion, "hh")["stop_reason"] == "tool_use"
+    s = am.MessageStream("hh", 1)
+    s.feed({"choices": [{"delta": {"tool_calls": [{"index": 0, **call}]}, "finish_reason": "stop"}]})
+    assert json.loads(s.end()[-2].split(b"data: ")[1])["delta"]["stop_reason"] == "tool_use"
+
+
 @pytest.mark.parametrize("body", [
     {"messages": []}, {"messages": [{"role": "system", "content": "x"}]},
     {"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "no id"}]}]},
