@@ -62,6 +62,7 @@ def fused_recurrent_gdn_verify(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     state_vk: bool = False,
+    config: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Lazy-commit verify step of the gated delta rule (Qwen3-Next / Qwen3.5 GDN layers).
 
@@ -87,6 +88,9 @@ def fused_recurrent_gdn_verify(
         scale: query scale, default K ** -0.5.
         out: optional [B, T, HV, V] contiguous output.
         state_vk: state stored [S, HV, V, K] (vLLM 0.32.0's pool layout).
+        config: kernel tiling ``(BV, num_warps[, VEC[, PF[, RG]]])`` (triton._default_config);
+            the default depends on batch and state dtype.  Bit-identity with the eager and
+            commit calls holds for the same config only.
 
     Returns:
         o: [B, T, HV, V] in q.dtype (or ``out``).
@@ -94,7 +98,7 @@ def fused_recurrent_gdn_verify(
     return gdn_verify_fwd(
         q, k, v, a, b, A_log, dt_bias, state, state_indices, num_k_heads=k.shape[2],
         log=log, log_parity=log_parity, num_replay=num_replay, scale=scale, out=out,
-        state_vk=state_vk,
+        state_vk=state_vk, config=config,
     )
 
 
@@ -108,6 +112,7 @@ def fused_recurrent_gdn_commit(
     num_replay: torch.Tensor,
     num_k_heads: int,
     state_vk: bool = False,
+    config: tuple[int, ...] | None = None,
 ) -> None:
     """Materialise the lazy state: fold ``num_replay[b]`` logged tokens into ``state`` in place.
 
@@ -118,7 +123,7 @@ def fused_recurrent_gdn_commit(
     gdn_verify_fwd(
         None, None, None, None, None, A_log, dt_bias, state, state_indices,
         num_k_heads=num_k_heads, log=log, log_parity=log_parity, num_replay=num_replay,
-        state_vk=state_vk,
+        state_vk=state_vk, config=config,
     )
 
 
@@ -136,6 +141,7 @@ def fused_recurrent_gdn_verify_eager(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     state_vk: bool = False,
+    config: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Eager verify (vLLM's storing scheme, same arithmetic as the lazy kernel).
 
@@ -150,5 +156,5 @@ def fused_recurrent_gdn_verify_eager(
         raise ValueError(f"token_indices must be a contiguous {tuple(q.shape[:2])}, got {tuple(token_indices.shape)}")
     return gdn_verify_fwd(
         q, k, v, a, b, A_log, dt_bias, state, init_indices, num_k_heads=k.shape[2],
-        tok_idx=token_indices, scale=scale, out=out, state_vk=state_vk,
+        tok_idx=token_indices, scale=scale, out=out, state_vk=state_vk, config=config,
     )

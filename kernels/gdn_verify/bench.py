@@ -1,14 +1,17 @@
 """Benchmark: GDN verify step per layer on the GPU (CUDA-graph replay, L2 flushed before each).
 
-    python -m kernels.gdn_verify.bench [--sweep] [--vllm-ref .vllm_ref]
+    python -m kernels.gdn_verify.bench [--vllm-ref .vllm_ref] [--baseline .baseline]
 
 Providers (Qwen3.5-27B GDN shapes: H=16, HV=48, K=V=128, T=8 verify tokens):
   ours r=T / r=3   lazy commit, replaying T (all accepted) or 3 tokens of the previous step's log
+  before r=T       the same launch through an earlier copy of kernels/gdn_verify/triton.py
+                   (``--baseline`` folder, ignored by git), for before/after ratios in one run
   vllm eager       vLLM 0.32.0's fused_sigmoid_gating_delta_rule_update (1 state read, T writes),
                    copied into an ignored folder (never committed); skipped when absent
   fla 1 call       fla-core's fused_recurrent_gated_delta_rule over the T tokens (1 read, 1 fp32
                    write, cannot resume from a rejected token); gates fused in-kernel
   fla T x 1        T one-token fla calls (resumable the naive way)
+Tiling sweeps: kernels/gdn_verify/sweep.py.
 Bytes are what each provider must move (state, log, inputs, outputs); "%bw" is bytes/time over the
 device-to-device copy bandwidth measured in the same run.
 """
@@ -67,6 +70,17 @@ def load_vllm(ref_dir: Path):
     return mod.fused_sigmoid_gating_delta_rule_update
 
 
+def load_baseline(base_dir: Path):
+    """gdn_verify_fwd of an earlier kernels/gdn_verify/triton.py saved as base_dir/gdn_verify_triton.py."""
+    path = base_dir / "gdn_verify_triton.py"
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("gdn_verify_triton_before", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.gdn_verify_fwd
+
+
 def load_fla():
     try:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
@@ -87,7 +101,7 @@ def io_bytes(B: int, T: int) -> int:
     return B * T * (2 * H * K + 2 * HV * V + 2 * HV) * 2  # q, k, v, o, a, b in bf16
 
 
-def case_ours(B, T, sd, r, config=None, state_vk=False):
+def case_ours(B, T, sd, r, config=None, state_vk=False, fwd=None):
     x = inputs(B, T)
     state = (torch.randn(B + 1, HV, K, V, device="cuda") * 0.05).to(sd)
     log = gdn_log_empty(B + 1, T, H, K, HV, V, torch.bfloat16, "cuda")
@@ -100,9 +114,11 @@ def case_ours(B, T, sd, r, config=None, state_vk=False):
     replay = torch.full((B,), r, dtype=torch.int32, device="cuda")
     o = torch.empty(B, T, HV, V, dtype=torch.bfloat16, device="cuda")
 
+    launch = fwd or gdn_verify_fwd
+
     def fn():
-        gdn_verify_fwd(**x, state=state, init_idx=slots, num_k_heads=H, log=log, log_parity=par,
-                       num_replay=replay, out=o, config=config, state_vk=state_vk)
+        launch(**x, state=state, init_idx=slots, num_k_heads=H, log=log, log_parity=par,
+               num_replay=replay, out=o, config=config, state_vk=state_vk)
 
     row = H * K + HV * V + 2 * HV
     nbytes = B * HV * V * K * sd.itemsize * (1 + (r > 0)) + B * (r + T) * row * 2 + io_bytes(B, T)
@@ -171,29 +187,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=8)
     ap.add_argument("--batches", default="1,4,8")
-    ap.add_argument("--sweep", action="store_true", help="time (BV, num_warps) configs of ours, fp32")
     ap.add_argument("--vllm-ref", type=Path, default=Path(".vllm_ref"))
+    ap.add_argument("--baseline", type=Path, default=Path(".baseline"))
     args = ap.parse_args()
     T, batches = args.T, [int(b) for b in args.batches.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"copy bandwidth (read+write) {bw / 1e12:.2f} TB/s")
-    if args.sweep:
-        cfgs = [(8, 1), (16, 1), (8, 1, 168), (16, 2)]
-        for B in batches:
-            res = []
-            for cfg in cfgs:
-                try:
-                    t = time_graph(case_ours(B, T, torch.float32, T, config=cfg)[0])
-                except Exception as e:  # noqa: BLE001 (a config the compiler rejects)
-                    t = float("nan")
-                    print(f"config {cfg}: {type(e).__name__}: {str(e)[:120]}")
-                res.append(f"{'/'.join(map(str, cfg))} {t:.1f}")
-            t = time_graph(case_ours(B, T, torch.float32, T, config=(8, 1), state_vk=True)[0])
-            print(f"sweep B={B} fp32 r={T} BV/warps[/maxnreg]: " + "  ".join(res) + f"  | vk-layout 8/1 {t:.1f}",
-                  flush=True)
-    vllm_fn, fla_fn = load_vllm(args.vllm_ref), load_fla()
+    vllm_fn, fla_fn, old_fn = load_vllm(args.vllm_ref), load_fla(), load_baseline(args.baseline)
+    if old_fn is None:
+        print("baseline kernel copy not found: before column skipped")
     if vllm_fn is None:
         print("vLLM kernel copy not found: vllm column skipped")
     if fla_fn is None:
@@ -203,16 +207,18 @@ def main() -> None:
             print(f"ours eager vs vLLM eager, B=3 {name} state: {compare_vllm(vllm_fn, 3, T, sd)}")
     dummy = torch.zeros(1, device="cuda")
     print(f"launch floor in this harness (one empty Triton kernel): {time_graph(lambda: _empty_kernel[(1,)](dummy)):.2f} µs")
-    cols = ["ours r=T", "ours r=3", "vllm eager", "fla 1 call", f"fla {T}x1"]
+    cols = ["ours r=T", "ours r=3", "vllm eager", "fla 1 call", f"fla {T}x1", "before r=T"]
     print(f"\nGDN verify, T={T}, H={H} HV={HV} K={K} V={V}; µs per layer (CUDA graph, cold L2: memset-flushed, flush time subtracted); "
           f"[GB/s, %copy-bw]")
-    print(f"{'B':>2} {'state':>5} | " + " | ".join(f"{c:>22}" for c in cols) + " | ours vs vllm, vs fla")
+    print(f"{'B':>2} {'state':>5} | " + " | ".join(f"{c:>22}" for c in cols)
+          + " | vllm/ours, ours/fla, before/ours")
     for B in batches:
         for name, sd in DTYPES.items():
             cases = [case_ours(B, T, sd, T), case_ours(B, T, sd, 3)]
             cases.append(case_vllm(vllm_fn, B, T, sd) if vllm_fn else None)
             cases.append(case_fla(fla_fn, B, T, sd, 1) if fla_fn else None)
             cases.append(case_fla(fla_fn, B, T, sd, T) if fla_fn else None)
+            cases.append(case_ours(B, T, sd, T, fwd=old_fn) if old_fn else None)
             us, cells = [], []
             for c in cases:
                 if c is None:
@@ -224,7 +230,7 @@ def main() -> None:
                 gbs = c[1] / (t * 1e-6) / 1e9
                 cells.append(f"{t:7.1f} [{gbs:6.0f}, {100 * gbs * 1e9 / bw:3.0f}%]")
             print(f"{B:>2} {name:>5} | " + " | ".join(cells)
-                  + f" | {us[2] / us[0]:.2f}x, {us[3] / us[0]:.2f}x", flush=True)
+                  + f" | {us[2] / us[0]:.2f}x, {us[0] / us[3]:.2f}x, {us[5] / us[0]:.2f}x", flush=True)
     print("\nbytes floor at copy bandwidth (ours, r=T), µs: "
           + ", ".join(f"B={B} {case_ours(B, T, torch.float32, T)[1] / bw * 1e6:.1f}" for B in batches))
 

@@ -27,19 +27,29 @@ import triton.language as tl
 
 
 def _default_config(batch: int, state_dtype: torch.dtype, state_vk: bool = False) -> tuple[int, ...]:
-    """(BV, num_warps[, maxnreg]) from the H200 sweep (NOTES.md, ``python -m kernels.gdn_verify.sweep``).
+    """(BV, num_warps, VEC, PF, RG) from the H200 sweeps (NOTES.md, ``python -m kernels.gdn_verify.sweep``).
 
-    One warp holding a [K, 8] tile (fp32: 16 lanes along K and 2 along V, so a K reduction is 8
-    in-thread adds and 4 shuffle rounds, no cross-warp traffic) wins everywhere measured except
-    fp32 states at batch 8, where a [K, 16] tile is 5% faster (51.7 vs 54.3 µs).  2-byte states
-    measured slowest with any wider tile or more warps (B=8 bf16: 8/1 70.8 µs, 16/1 80.5, 16/2 99.0).
-    The BV=16 tile reduces in another order, so fp32 states at batch >= 8 differ from the same
-    request run at batch < 8 by float rounding (max 3e-5 measured); lazy, eager and commit calls
-    of one batch size stay bit-identical to each other.
+    BV: V columns per program; VEC: state vector width along V (4 gives a [16 K x 2 V] lane split
+    for every state dtype); PF: new tokens prefetched ahead (<= 4); RG: replay tokens per
+    predicated group.  One warp holding a [K, 8] tile wins everywhere measured except fp32 states
+    at batch 8, where a [K, 16] tile was 5% faster.  The BV=16 tile reduces in another order, so
+    fp32 states at batch >= 8 differ from the same request run at batch < 8 by float rounding
+    (max 3e-5 measured); lazy, eager and commit calls of one batch size stay bit-identical.
     """
     if state_dtype == torch.float32 and batch >= 8 and not state_vk:
-        return (16, 1)
-    return (8, 1)
+        return (16, 1, 4, 2, 4)
+    return (8, 1, 4, 2, 4)
+
+
+def _resolve_config(config, batch, state_dtype, state_vk) -> tuple[int, int, int, int, int]:
+    """A partial config (BV, num_warps[, VEC[, PF[, RG]]]) filled from the default."""
+    full = _default_config(batch, state_dtype, state_vk)
+    if config is None:
+        return full  # type: ignore[return-value]
+    cfg = tuple(config) + full[len(config):]
+    if not 1 <= cfg[3] <= 4 or cfg[4] < 1:
+        raise ValueError(f"config {cfg}: need 1 <= PF <= 4 and RG >= 1")
+    return cfg  # type: ignore[return-value]
 
 
 @triton.jit
@@ -58,16 +68,20 @@ def _and(m, c):
 
 
 @triton.jit
-def _l2norm(x):
-    return x * tl.rsqrt(tl.sum(x * x) + 1e-6)
+def _rnorm(x):
+    """1 / ||x|| as the reference's l2norm uses it (eps inside the sqrt); x: [BK] fp32."""
+    return tl.rsqrt(tl.sum(x * x) + 1e-6)
 
 
 @triton.jit
-def _delta_step(b_h, b_k, b_v, decay, beta):
-    """b_h: [BK, BV] fp32 state tile; b_k: [BK] normalised key; b_v: [BV]; decay, beta: scalars."""
-    b_h = b_h * decay
-    b_u = (b_v - tl.sum(b_h * b_k[:, None], 0)) * beta
-    return b_h + b_k[:, None] * b_u[None, :]
+def _delta_step(b_h, b_k, rk, b_v, decay, beta):
+    """b_h: [BK, BV] fp32 state tile; b_k: [BK] raw key (fp32) and rk its 1/norm; b_v: [BV];
+    decay, beta: scalars.  The norm and the decay are folded into scalars/[BV] vectors so the
+    per-element work is 3 ops (decay, k.h, rank-1 update) and the k.h reduction does not wait
+    for the decay multiply."""
+    b_kh = tl.sum(b_h * b_k[:, None], 0)
+    b_u = (b_v - b_kh * (decay * rk)) * (beta * rk)
+    return b_h * decay + b_k[:, None] * b_u[None, :]
 
 
 @triton.jit
@@ -93,6 +107,7 @@ def gdn_verify_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     LAZY: tl.constexpr, STATE_VK: tl.constexpr,
+    VEC: tl.constexpr, PF: tl.constexpr, RG: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -102,7 +117,11 @@ def gdn_verify_kernel(
         return
 
     o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    # VEC caps the contiguity the compiler sees along V, and with it the state load's vector
+    # width, which fixes the tile's lane split: 16-byte loads give fp32 [16 K-lanes x 2 V-lanes]
+    # but bf16/fp16 [32 x 1] (8 V values per thread: 5 shuffle rounds x 8 values per K reduction,
+    # 2.1x the shuffles of fp32 -- why 2-byte states ran slower).  VEC=4 gives every dtype [16 x 2].
+    o_v = tl.max_contiguous(i_v * BV + tl.arange(0, BV), VEC)
     m_k = o_k < K
     m_v = o_v < V
     m_h = m_k[:, None] & m_v[None, :]
@@ -118,34 +137,42 @@ def gdn_verify_kernel(
     p_h = state + slot * s_state + o_s
     b_h = tl.load(p_h, mask=m_h, other=0).to(tl.float32)
 
-    # Inputs of the first two new tokens are loaded now, under the state load and the replay, and
-    # each later token's two steps ahead (ptxas does not hoist loads across the unrolled tokens).
+    # Inputs of the first PF new tokens are loaded now, under the state load and the replay, and
+    # each later token's PF steps ahead (ptxas does not hoist loads across the unrolled tokens).
+    # PF >= T issues every new token's loads up front: no global load left in the token chain.
     if T > 0:
         q0, k0, v0, a0, b0 = _load_token(q, k, v, a, b, i_b, 0, i_h, i_hv, o_k, o_v, m_k, m_v,
                                          s_qk_b, s_qk_t, s_v_b, s_v_t, s_ab_b, s_ab_t, K, V)
-    if T > 1:
+    if T > 1 and PF > 1:
         q1, k1, v1, a1, b1 = _load_token(q, k, v, a, b, i_b, 1, i_h, i_hv, o_k, o_v, m_k, m_v,
+                                         s_qk_b, s_qk_t, s_v_b, s_v_t, s_ab_b, s_ab_t, K, V)
+    if T > 2 and PF > 2:
+        q2, k2, v2, a2, b2 = _load_token(q, k, v, a, b, i_b, 2, i_h, i_hv, o_k, o_v, m_k, m_v,
+                                         s_qk_b, s_qk_t, s_v_b, s_v_t, s_ab_b, s_ab_t, K, V)
+    if T > 3 and PF > 3:
+        q3, k3, v3, a3, b3 = _load_token(q, k, v, a, b, i_b, 3, i_h, i_hv, o_k, o_v, m_k, m_v,
                                          s_qk_b, s_qk_t, s_v_b, s_v_t, s_ab_b, s_ab_t, K, V)
 
     LR: tl.constexpr = H * K + HV * V + 2 * HV  # log row: k | v | a | b
-    RG: tl.constexpr = 4  # replay tokens per branch: loads hoist within a group; <= 3 wasted steps
     if LAZY:
         par = tl.load(log_parity).to(tl.int64)
         p_lin = log + (slot * 2 + par) * TL * LR
         p_lout = log + (slot * 2 + 1 - par) * TL * LR
         r = tl.load(num_replay + i_b)
+        # Replay predicated in groups of RG tokens: a group's loads sit in one straight-line block
+        # that the compiler hoists (latency paid once per group), at most RG - 1 wasted steps.
         for g in tl.static_range(0, TL, RG):
             if r > g:
                 for j in tl.static_range(RG):
                     if g + j < TL:
                         m_i = g + j < r
                         p_row = p_lin + (g + j) * LR
-                        l_k = tl.load(p_row + i_h * K + o_k, mask=_and(m_k, m_i), other=0)
+                        l_k = tl.load(p_row + i_h * K + o_k, mask=_and(m_k, m_i), other=0).to(tl.float32)
                         l_v = tl.load(p_row + H * K + i_hv * V + o_v, mask=_and(m_v, m_i), other=0)
                         l_a = tl.load(p_row + H * K + HV * V + i_hv, mask=m_i, other=0)
                         l_b = tl.load(p_row + H * K + HV * V + HV + i_hv, mask=m_i, other=0)
                         decay, beta = _gates(l_a, l_b, neg_exp_A, dt)
-                        b_hn = _delta_step(b_h, _l2norm(l_k.to(tl.float32)), l_v.to(tl.float32), decay, beta)
+                        b_hn = _delta_step(b_h, l_k, _rnorm(l_k), l_v.to(tl.float32), decay, beta)
                         b_h = tl.where(m_i, b_hn, b_h)
         # The eager path rounds here (its stored state of the last accepted token); idempotent
         # when nothing was replayed.
@@ -156,16 +183,30 @@ def gdn_verify_kernel(
         m_wab = i_v == 0
 
     for t in tl.static_range(T):
+        # rotate the prefetch queue (depth PF <= 4) and load token t + PF into its tail
         r_q, r_k, r_v, r_a, r_b = q0, k0, v0, a0, b0
-        if t + 1 < T:
+        if PF > 1 and t + 1 < T:
             q0, k0, v0, a0, b0 = q1, k1, v1, a1, b1
-        if t + 2 < T:
-            q1, k1, v1, a1, b1 = _load_token(q, k, v, a, b, i_b, t + 2, i_h, i_hv, o_k, o_v, m_k, m_v,
+        if PF > 2 and t + 2 < T:
+            q1, k1, v1, a1, b1 = q2, k2, v2, a2, b2
+        if PF > 3 and t + 3 < T:
+            q2, k2, v2, a2, b2 = q3, k3, v3, a3, b3
+        if t + PF < T:
+            nq, nk, nv, na, nb = _load_token(q, k, v, a, b, i_b, t + PF, i_h, i_hv, o_k, o_v, m_k, m_v,
                                              s_qk_b, s_qk_t, s_v_b, s_v_t, s_ab_b, s_ab_t, K, V)
-        b_q = _l2norm(r_q.to(tl.float32)) * scale
+            if PF == 1:
+                q0, k0, v0, a0, b0 = nq, nk, nv, na, nb
+            elif PF == 2:
+                q1, k1, v1, a1, b1 = nq, nk, nv, na, nb
+            elif PF == 3:
+                q2, k2, v2, a2, b2 = nq, nk, nv, na, nb
+            else:
+                q3, k3, v3, a3, b3 = nq, nk, nv, na, nb
+        f_q = r_q.to(tl.float32)
+        f_k = r_k.to(tl.float32)
         decay, beta = _gates(r_a, r_b, neg_exp_A, dt)
-        b_h = _delta_step(b_h, _l2norm(r_k.to(tl.float32)), r_v.to(tl.float32), decay, beta)
-        b_o = tl.sum(b_h * b_q[:, None], 0)
+        b_h = _delta_step(b_h, f_k, _rnorm(f_k), r_v.to(tl.float32), decay, beta)
+        b_o = tl.sum(b_h * f_q[:, None], 0) * (_rnorm(f_q) * scale)
         tl.store(o + ((i_b * T + t) * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if LAZY:
             p_row = p_lout + t * LR
@@ -259,8 +300,7 @@ def gdn_verify_fwd(
             a, b = a.contiguous(), b.contiguous()
             a, *sab = _dense(a, "a", 1)
         o = out if out is not None else torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
-    BV, num_warps, *maxnreg = config if config is not None else _default_config(B, state.dtype, state_vk)
-    extra = {"maxnreg": maxnreg[0]} if maxnreg else {}
+    BV, num_warps, vec, pf, rg = _resolve_config(config, B, state.dtype, state_vk)
     BV = min(BV, triton.next_power_of_2(V))
     grid = (triton.cdiv(V, BV), B * HV)
     gdn_verify_kernel[grid](
@@ -272,6 +312,7 @@ def gdn_verify_fwd(
         sqk[0], sqk[1], sv[0], sv[1], sab[0], sab[1], state.stride(0),
         T=T, TL=TL, H=H, HV=HV, K=K, V=V,
         BK=triton.next_power_of_2(K), BV=BV, LAZY=lazy, STATE_VK=state_vk,
-        num_warps=num_warps, num_stages=1, **extra,
+        VEC=min(vec, BV), PF=pf, RG=rg,
+        num_warps=num_warps, num_stages=1,
     )
     return o if T else None

@@ -1,8 +1,9 @@
 """Benchmark: lookup drafting on the GPU (CUDA-graph replay, L2 flushed before each).
 
-    python -m kernels.lookup_scan.bench [--sweep] [--vllm-ref .vllm_ref]
+    python -m kernels.lookup_scan.bench [--sweep] [--vllm-ref .vllm_ref] [--baseline .baseline]
 
-Providers: ours (one launch); vLLM 0.32.0's V2 n-gram speculator kernels (_ngram_scan_kernel +
+Providers: ours (one launch); before (the same launch through an earlier copy of
+kernels/lookup_scan/triton.py in the ``--baseline`` folder, ignored by git); vLLM 0.32.0's V2 n-gram speculator kernels (_ngram_scan_kernel +
 _ngram_finalize_kernel, copied into an ignored folder, never committed; max_model_len set to the
 history capacity, its most favourable setting); the serial torch reference on the CPU.
 Histories: "quote" = vocab 150K with copied spans and a suffix quoting an earlier span (agent-like),
@@ -40,6 +41,16 @@ def load_vllm(ref_dir: Path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_baseline(base_dir: Path):
+    path = base_dir / "lookup_scan_triton.py"
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("lookup_scan_triton_before", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.lookup_scan_fwd
 
 
 def histories(kind: str, B: int, S: int, seed: int) -> torch.Tensor:
@@ -87,28 +98,33 @@ def main() -> None:
     ap.add_argument("--sizes", default="8192,32768,100000,262144")
     ap.add_argument("--sweep", action="store_true", help="time (block, programs) settings of ours")
     ap.add_argument("--vllm-ref", type=Path, default=Path(".vllm_ref"))
+    ap.add_argument("--baseline", type=Path, default=Path(".baseline"))
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     mod = load_vllm(args.vllm_ref)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     if mod is None:
         print("vLLM kernel copy not found: vllm column skipped")
+    old_fwd = load_baseline(args.baseline)
+    if old_fwd is None:
+        print("baseline kernel copy not found: before column skipped")
     if args.sweep:
         from kernels.lookup_scan.triton import lookup_scan_fwd
-        for S, B in [(100_000, 1), (262_144, 1), (262_144, 8)]:
-            tok = histories("quote", B, S, 0).cuda()
+        for S, B, (mn, mx), kind in [(100_000, 1, (6, 12), "quote"), (262_144, 8, (5, 5), "lowent"),
+                                     (262_144, 8, (6, 12), "quote"), (262_144, 8, (6, 12), "lowent")]:
+            tok = histories(kind, B, S, 0).cuda()
             lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
             ws = torch.zeros(2 * B, dtype=torch.int64, device="cuda")
             res = []
-            for blk in (256, 512, 1024):
-                for P in (32, 128, 256, 512):
-                    t = time_graph(lambda: lookup_scan_fwd(tok, lens, 6, 12, K_DRAFT, None, ws, None, P, blk))
-                    res.append(f"{blk}/{P} {t:.1f}")
-            print(f"sweep S={S} B={B} n6-12 block/programs: " + "  ".join(res), flush=True)
+            for blk, nw in ((512, 4), (1024, 4), (1024, 8), (2048, 8)):
+                t = time_graph(lambda: lookup_scan_fwd(tok, lens, mn, mx, K_DRAFT, None, ws, None, None, blk, nw))
+                res.append(f"{blk}/{nw} {t:.2f}")
+            print(f"sweep S={S} B={B} n{mn}-{mx} {kind} block/warps: " + "  ".join(res), flush=True)
     dummy = torch.zeros(1, device="cuda")
     print(f"launch floor in this harness (one empty Triton kernel): {time_graph(lambda: _empty_kernel[(1,)](dummy)):.2f} µs")
     print(f"\nlookup scan, k={K_DRAFT}; µs per call (CUDA graph, cold L2: memset-flushed, flush time subtracted); ref = serial torch on CPU, ms")
-    print(f"{'hist':>7} {'B':>2} {'n':>5} {'data':>6} | {'ours':>7} | {'vllm':>7} | {'ref ms':>8} | vllm/ours | same")
+    print(f"{'hist':>7} {'B':>2} {'n':>5} {'data':>6} | {'ours':>7} | {'before':>7} | {'vllm':>7} | {'ref ms':>8} "
+          f"| vllm/ours | before/ours | same")
     for S in sizes:
         for B in (1, 8):
             for min_n, max_n in ((5, 5), (6, 12)):
@@ -125,14 +141,21 @@ def main() -> None:
                     d_ref, n_ref = naive_lookup_scan(tok_c, lens_c, min_n, max_n, K_DRAFT)
                     t_ref = (time.perf_counter() - t0) * 1e3
                     same = torch.equal(out[0].cpu(), d_ref) and torch.equal(out[1].cpu(), n_ref)
+                    t_b = float("nan")
+                    if old_fwd is not None:
+                        ws_b = torch.zeros(2 * B, dtype=torch.int64, device="cuda")
+                        out_b = (torch.empty(B, K_DRAFT, dtype=torch.int64, device="cuda"),
+                                 torch.empty(B, dtype=torch.int32, device="cuda"))
+                        t_b = time_graph(lambda: old_fwd(tok, lens, min_n, max_n, K_DRAFT, None, ws_b, out_b))  # noqa: B023
+                        same = same and torch.equal(out_b[0].cpu(), d_ref)
                     t_v = float("nan")
                     if mod is not None:
                         fn, d_v = vllm_runner(mod, tok, lens, min_n, max_n)
                         t_v = time_graph(fn)
                         same = same and torch.equal(d_v.cpu(), d_ref)
-                    print(f"{S:>7} {B:>2} {min_n:>2}-{max_n:<2} {kind:>6} | {t_ours:7.2f} | {t_v:7.2f} | "
-                          f"{t_ref:8.2f} | {t_v / t_ours:8.2f}x | {same} (matched {int((n_ref > 0).sum())}/{B})",
-                          flush=True)
+                    print(f"{S:>7} {B:>2} {min_n:>2}-{max_n:<2} {kind:>6} | {t_ours:7.2f} | {t_b:7.2f} | {t_v:7.2f} | "
+                          f"{t_ref:8.2f} | {t_v / t_ours:8.2f}x | {t_b / t_ours:10.2f}x | {same} "
+                          f"(matched {int((n_ref > 0).sum())}/{B})", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,55 +19,86 @@ import torch
 import triton
 import triton.language as tl
 
-# Positions per program iteration (4 per thread at 4 warps) and programs per batch: tuned on the
-# H200 (kernels/lookup_scan/bench.py --sweep); the grid is sized by the history capacity, not the
-# current length, so it can be captured in a CUDA graph.
-BLOCK = 512
-PROGRAMS_PER_BATCH = 1024
+# End positions per block (8 per thread at 4 warps) and the cap on programs per request: H200
+# sweep in NOTES.md (kernels/lookup_scan/bench.py --sweep).  The grid is sized by the history
+# capacity S (CUDA-graph capturable), at most cdiv(S, BLOCK) programs per request; below the cap
+# every program scans exactly one block.
+BLOCK = 1024
+MAX_PROGRAMS = 2048  # per launch, over all requests (at least 32 per request)
+NUM_WARPS = 4
+
+
+@triton.jit
+def _block_best(p_h, e, tok, L, last, MIN_N: tl.constexpr, MAX_N: tl.constexpr):
+    """Best packed score (m << 32 | e + 1) over one block of end positions e, tok = h[e]."""
+    alive = (e <= L - 2) & (tok == last)
+    best = tl.zeros((), dtype=tl.int64)
+    if tl.max(alive.to(tl.int32)) > 0:  # quoting histories: most blocks stop here
+        m = alive.to(tl.int32)
+        if MAX_N > 1:
+            # second filter: one more compare, masked, leaves ~1/vocab of the hits alive
+            s_1 = tl.load(p_h + L - 2, mask=L >= 2, other=0)
+            alive = alive & (e >= 1)
+            alive = alive & (tl.load(p_h + e - 1, mask=alive, other=0) == s_1)
+            m += alive.to(tl.int32)
+            if MAX_N > 2:
+                if tl.max(alive.to(tl.int32)) > 0:
+                    a1 = alive
+                    # the remaining compares load under the same mask, so they are all in flight
+                    # at once (no load waits for the previous compare); the run length is an AND
+                    # chain in registers
+                    for j in tl.static_range(2, MAX_N):
+                        s_j = tl.load(p_h + L - 1 - j, mask=L - 1 - j >= 0, other=0)
+                        w_j = tl.load(p_h + e - j, mask=a1 & (e >= j), other=0)
+                        alive = alive & (e >= j) & (w_j == s_j)
+                        m += alive.to(tl.int32)
+        score = tl.where(m >= MIN_N, (m.to(tl.int64) << 32) | (e + 1).to(tl.int64), 0)
+        best = tl.max(score)
+    return best
 
 
 @triton.jit
 def lookup_scan_kernel(
     tokens, s_tok, req_idx, seq_lens, drafts, num_valid, ws,
-    P, B,
+    S, P, B,
     MIN_N: tl.constexpr, MAX_N: tl.constexpr, K_DRAFT: tl.constexpr, KP: tl.constexpr,
     BLOCK: tl.constexpr, HAS_REQ_IDX: tl.constexpr,
 ):
     i_p, i_b = tl.program_id(0), tl.program_id(1)
     row = tl.load(req_idx + i_b).to(tl.int64) if HAS_REQ_IDX else i_b.to(tl.int64)
-    L = tl.load(seq_lens + row).to(tl.int64)
     p_h = tokens + row * s_tok
-    last = tl.load(p_h + L - 1, mask=L > 0, other=0)
-
-    best = tl.zeros((), dtype=tl.int64)
+    # The first block is loaded before the length is known (its address does not depend on it,
+    # the buffer holds S tokens per row), so the history and seq_lens reads share one DRAM trip.
     o_e = tl.arange(0, BLOCK)
-    for c in range(i_p, tl.cdiv(L - 1, BLOCK), P):
-        e = c * BLOCK + o_e
-        alive = e <= L - 2
-        alive = alive & (tl.load(p_h + e, mask=alive, other=0) == last)
-        if tl.max(alive.to(tl.int32)) > 0:
-            m = alive.to(tl.int32)
-            for j in tl.static_range(1, MAX_N):
-                s_j = tl.load(p_h + L - 1 - j, mask=L - 1 - j >= 0, other=0)
-                alive = alive & (e >= j)
-                alive = alive & (tl.load(p_h + e - j, mask=alive, other=0) == s_j)
-                m += alive.to(tl.int32)
-            score = tl.where(m >= MIN_N, (m.to(tl.int64) << 32) | (e + 1).to(tl.int64), 0)
-            best = tl.maximum(best, tl.max(score))
+    e = i_p * BLOCK + o_e
+    tok = tl.load(p_h + e, mask=e < S, other=0)
+    L = tl.load(seq_lens + row).to(tl.int64)
+    # Programs with no end position to scan take no ticket: the finisher counts n_act tickets.
+    n_act = tl.maximum(tl.minimum(tl.cdiv(L - 1, BLOCK), P), 1)
+    if i_p < n_act:
+        last = tl.load(p_h + L - 1, mask=L > 0, other=0)
+        best = _block_best(p_h, e, tok, L, last, MIN_N, MAX_N)
+        for c in range(i_p + P, tl.cdiv(L - 1, BLOCK), P):  # only past the program cap
+            e_c = c * BLOCK + o_e
+            tok_c = tl.load(p_h + e_c, mask=e_c < S, other=0)
+            best = tl.maximum(best, _block_best(p_h, e_c, tok_c, L, last, MIN_N, MAX_N))
 
-    if best > 0:  # most programs of a quoting history find nothing: spare the contended word
-        tl.atomic_max(ws + i_b, best)
-    ticket = tl.atomic_add(ws + B + i_b, 1)  # acq_rel: orders the max above before it
-    if ticket == P - 1:
-        best = tl.atomic_xchg(ws + i_b, 0)
-        tl.atomic_xchg(ws + B + i_b, 0)
-        start = best - ((best >> 32) << 32)  # e + 1 of the winning end position
-        nv = tl.where(best > 0, tl.minimum(L - start, K_DRAFT), 0)
-        o_d = tl.arange(0, KP)
-        tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
-        out = tl.where(o_d < nv, tok, last).to(tl.int64)
-        tl.store(drafts + i_b * K_DRAFT + o_d, out, mask=o_d < K_DRAFT)
-        tl.store(num_valid + i_b, nv.to(tl.int32))
+        if best > 0:  # most programs of a quoting history find nothing: spare the contended word
+            tl.atomic_max(ws + i_b, best, sem="relaxed")
+        ticket = tl.atomic_add(ws + B + i_b, 1, sem="acq_rel")  # release orders the max above
+        if ticket == n_act - 1:
+            # Last program of the request: every max is visible (acquire); plain loads/stores
+            # suffice, no other program touches the two words again in this launch.
+            best = tl.load(ws + i_b, volatile=True)
+            tl.store(ws + i_b, 0)
+            tl.store(ws + B + i_b, 0)
+            start = best - ((best >> 32) << 32)  # e + 1 of the winning end position
+            nv = tl.where(best > 0, tl.minimum(L - start, K_DRAFT), 0)
+            o_d = tl.arange(0, KP)
+            d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
+            out = tl.where(o_d < nv, d_tok, last).to(tl.int64)
+            tl.store(drafts + i_b * K_DRAFT + o_d, out, mask=o_d < K_DRAFT)
+            tl.store(num_valid + i_b, nv.to(tl.int32))
 
 
 def lookup_scan_fwd(
@@ -81,6 +112,7 @@ def lookup_scan_fwd(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     programs_per_request: int | None = None,
     block: int = BLOCK,
+    num_warps: int = NUM_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher; see kernels.lookup_scan.lookup_scan for the contract."""
     if not 1 <= min_n <= max_n or max_n > 31 or num_draft < 1:
@@ -99,11 +131,12 @@ def lookup_scan_fwd(
         torch.empty(B, num_draft, dtype=torch.int64, device=dev),
         torch.empty(B, dtype=torch.int32, device=dev),
     )
-    P = programs_per_request or max(1, min(triton.cdiv(token_ids.shape[1], block), max(32, PROGRAMS_PER_BATCH // B)))
+    S = token_ids.shape[1]
+    P = programs_per_request or max(1, min(triton.cdiv(S, block), max(32, MAX_PROGRAMS // max(B, 1))))
     lookup_scan_kernel[(P, B)](
         token_ids, token_ids.stride(0), req_indices if req_indices is not None else seq_lens, seq_lens,
-        drafts, num_valid, workspace, P, B,
+        drafts, num_valid, workspace, S, P, B,
         MIN_N=min_n, MAX_N=max_n, K_DRAFT=num_draft, KP=triton.next_power_of_2(num_draft),
-        BLOCK=block, HAS_REQ_IDX=req_indices is not None, num_warps=4,
+        BLOCK=block, HAS_REQ_IDX=req_indices is not None, num_warps=num_warps,
     )
     return drafts, num_valid

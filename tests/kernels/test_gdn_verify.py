@@ -84,9 +84,10 @@ def test_eager_matches_reference(B, T, H, HV, K, V, sdtype):
 class EagerRunner:
     """vLLM-style state keeping: each request owns T + 1 slots; the step starts from `cur`."""
 
-    def __init__(self, h0, T):
+    def __init__(self, h0, T, config=None):
         B = h0.shape[0]
         self.T = T
+        self.config = config
         self.pool = torch.full((1 + B * (T + 1), *h0.shape[1:]), float("nan"), dtype=h0.dtype, device=DEVICE)
         self.cur = [1 + i * (T + 1) for i in range(B)]
         self.pool[self.cur] = h0
@@ -99,7 +100,8 @@ class EagerRunner:
             tok.append([s for s in own if s != self.cur[i]])
         tok_t = torch.tensor(tok, dtype=torch.int32, device=DEVICE)
         init = torch.tensor(self.cur, dtype=torch.int32, device=DEVICE)
-        o = fused_recurrent_gdn_verify_eager(**x, state=self.pool, init_indices=init, token_indices=tok_t, out=out)
+        o = fused_recurrent_gdn_verify_eager(**x, state=self.pool, init_indices=init, token_indices=tok_t, out=out,
+                                             config=self.config)
         self._tok = tok
         return o
 
@@ -110,32 +112,45 @@ class EagerRunner:
         return self.pool[self.cur]
 
 
-@pytest.mark.parametrize("sdtype", DTYPES, ids=str)
-def test_lazy_bit_identical_to_eager(sdtype):
-    B, T, H, HV, K, V = 3, 4, 2, 4, 16, 12
-    steps = [[0, 4, 2], [4, 1, 0], [3, 4, 4], [0, 0, 1]]  # accepted after each step
+def _lazy_vs_eager(sdtype, B, T, H, HV, K, V, steps, config=None, seed=100):
+    """Run lazy and eager side by side over `steps` (accepted counts after each step); assert
+    outputs and states bit-identical at every step and after a final commit."""
     h0 = torch.randn(B, HV, K, V).mul(0.3).to(sdtype).to(DEVICE)
-    eager = EagerRunner(h0, T)
-    slots = torch.tensor([2, 0, 5], dtype=torch.int32, device=DEVICE)
+    eager = EagerRunner(h0, T, config)
+    slots = torch.tensor([2, 0, 5][:B], dtype=torch.int32, device=DEVICE)
     lazy_pool = torch.full((6, HV, K, V), float("nan"), dtype=sdtype, device=DEVICE)
     lazy_pool[slots.long()] = h0
     log = gdn_log_empty(6, T, H, K, HV, V, torch.bfloat16, DEVICE).fill_(float("nan"))
     parity = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     replay = torch.zeros(B, dtype=torch.int32, device=DEVICE)
     for n, accepted in enumerate(steps):
-        x = make_inputs(B, T, H, HV, K, V, seed=100 + n)
+        x = make_inputs(B, T, H, HV, K, V, seed=seed + n)
         o_e = eager.step(x, nan_out(B, T, HV, V))
         o_l = fused_recurrent_gdn_verify(
             **x, state=lazy_pool, state_indices=slots, log=log, log_parity=parity,
-            num_replay=replay, out=nan_out(B, T, HV, V),
+            num_replay=replay, out=nan_out(B, T, HV, V), config=config,
         )
         assert torch.equal(o_l, o_e), f"step {n}: outputs differ"
         assert torch.equal(lazy_pool[slots.long()], eager.states()), f"step {n}: base != eager start"
         eager.accept(accepted)
         replay = torch.tensor(accepted, dtype=torch.int32, device=DEVICE)
         parity ^= 1
-    fused_recurrent_gdn_commit(x["A_log"], x["dt_bias"], lazy_pool, slots, log, parity, replay, H)
+    fused_recurrent_gdn_commit(x["A_log"], x["dt_bias"], lazy_pool, slots, log, parity, replay, H, config=config)
     assert torch.equal(lazy_pool[slots.long()], eager.states()), "committed state != eager state"
+
+
+@pytest.mark.parametrize("sdtype", DTYPES, ids=str)
+def test_lazy_bit_identical_to_eager(sdtype):
+    steps = [[0, 4, 2], [4, 1, 0], [3, 4, 4], [0, 0, 1]]  # accepted after each step
+    _lazy_vs_eager(sdtype, 3, 4, 2, 4, 16, 12, steps)
+
+
+# (BV, num_warps, VEC, PF, RG): prefetch depths 1/3/4 with T=5 rotate the prefetch queue through
+# every slot; RG=1 and RG=8 (> TL) cover the replay-group edges; BV=4 a tile narrower than VEC.
+@pytest.mark.parametrize("config", [(4, 1, 2, 1, 1), (8, 1, 4, 3, 8), (16, 1, 4, 4, 2)], ids=str)
+def test_lazy_bit_identical_to_eager_configs(config):
+    steps = [[5, 0, 2], [1, 5, 3], [0, 2, 5]]
+    _lazy_vs_eager(torch.bfloat16, 3, 5, 1, 2, 16, 20, steps, config=config, seed=300)
 
 
 @pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16], ids=str)
@@ -244,12 +259,44 @@ def test_real_shapes_gpu(B, sdtype):
         parity ^= 1
 
 
-def test_default_config_table():
-    """(BV, num_warps) per state dtype and batch, from the H200 sweep in kernels/gdn_verify/NOTES.md."""
-    from kernels.gdn_verify.triton import _default_config
+# Candidate tilings timed by kernels/gdn_verify/sweep.py; (4, 1, 2, ...) and (8, 1, 4, ...) share
+# the [16 K-lanes] split, so they reduce in the same order and give bit-identical results.
+GPU_CONFIGS = [(8, 1, 4, 2, 4), (8, 1, 4, 4, 8), (4, 1, 2, 4, 8), (4, 1, 2, 2, 4), (8, 1, 2, 4, 8), (16, 1, 4, 4, 8)]
 
-    assert _default_config(8, torch.float32) == (16, 1)
-    assert _default_config(4, torch.float32) == (8, 1)
-    assert _default_config(8, torch.float32, state_vk=True) == (8, 1)
+
+@pytest.mark.skipif(not CUDA, reason="real shapes need CUDA")
+@pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=str)
+def test_real_shapes_configs_gpu(config, sdtype):
+    T, H, HV, K, V = 8, 16, 48, 128, 128
+    _lazy_vs_eager(sdtype, 3, T, H, HV, K, V, [[8, 3, 0], [1, 8, 5]], config=config, seed=400)
+    if config[0] == 2 * config[2] and config[:3] != (8, 1, 4):  # same K split as (8, 1, 4)
+        outs = []
+        for cfg in (config, (8, 1, 4, 2, 4)):
+            x = make_inputs(3, T, H, HV, K, V, seed=500)
+            pool = torch.randn(3, HV, K, V, generator=torch.Generator().manual_seed(1)).mul(0.05).to(sdtype).to(DEVICE)
+            log = gdn_log_empty(3, T, H, K, HV, V, torch.bfloat16, DEVICE)
+            par = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+            slots = torch.arange(3, dtype=torch.int32, device=DEVICE)
+            fused_recurrent_gdn_verify(**x, state=pool, state_indices=slots, log=log, log_parity=par,
+                                       num_replay=torch.zeros(3, dtype=torch.int32, device=DEVICE), config=cfg)
+            par ^= 1
+            o = fused_recurrent_gdn_verify(**x, state=pool, state_indices=slots, log=log, log_parity=par,
+                                           num_replay=torch.tensor([8, 2, 5], dtype=torch.int32, device=DEVICE),
+                                           out=nan_out(3, T, HV, V), config=cfg)
+            outs.append((o, pool))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_default_config_table():
+    """(BV, num_warps, VEC, PF, RG) per state dtype and batch, from the H200 sweep in NOTES.md."""
+    from kernels.gdn_verify.triton import _default_config, _resolve_config
+
+    assert _default_config(8, torch.float32) == (16, 1, 4, 2, 4)
+    assert _default_config(4, torch.float32) == (8, 1, 4, 2, 4)
+    assert _default_config(8, torch.float32, state_vk=True) == (8, 1, 4, 2, 4)
     for sd in (torch.bfloat16, torch.float16):
-        assert _default_config(1, sd) == _default_config(8, sd) == (8, 1)
+        assert _default_config(1, sd) == _default_config(8, sd) == (8, 1, 4, 2, 4)
+    assert _resolve_config((16, 2), 1, torch.float32, False) == (16, 2, 4, 2, 4)
+    with pytest.raises(ValueError):
+        _resolve_config((8, 1, 4, 5), 1, torch.float32, False)

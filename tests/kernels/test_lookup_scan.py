@@ -95,6 +95,24 @@ def test_req_indices_and_workspace_reuse():
         assert not ws.any(), "the kernel must leave the workspace zeroed"
 
 
+@pytest.mark.parametrize("programs", [3, 40], ids=lambda p: f"P{p}")
+def test_block_loop_and_idle_programs(programs):
+    """Small blocks: P=3 loops over blocks past the program cap; P=40 leaves programs with no block
+    (no ticket; the finisher counts only the active ones) on the short rows."""
+    from kernels.lookup_scan.triton import lookup_scan_fwd
+
+    tok = repetitive(3, 1500, 300, seed=9)
+    lens = torch.tensor([1500, 700, 2], dtype=torch.int32)
+    ws = torch.zeros(6, dtype=torch.int64, device=DEVICE)
+    for min_n, max_n in [(2, 9), (4, 4)]:
+        out = (torch.full((3, 5), -7, dtype=torch.int64, device=DEVICE),
+               torch.full((3,), -7, dtype=torch.int32, device=DEVICE))
+        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 5, None, ws, out, programs, 128, 4)
+        dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 5)
+        assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
+        assert not ws.any()
+
+
 @pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
 @pytest.mark.parametrize("S", [8192, 100_000, 262_144])
 @pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
