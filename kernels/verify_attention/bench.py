@@ -1,11 +1,15 @@
 """Benchmark: split-KV verify attention vs vLLM 0.32.0's unified_attention vs torch SDPA (H200).
 
     python -m kernels.verify_attention.bench [--sweep] [--json PATH] [--quick] [--triton] [--no-vllm]
+        [--no-sdpa] [--no-mma]
 
 Measures the device's copy bandwidth first, then times every provider with CUDA-graph replay
 and a cold L2 (a 256 MiB buffer is read before every replay), median of the replays.
 Providers:
-* ``ours``: kernels.verify_attention on the int8 per-token-head cache (the CUDA kernel on sm_90).
+* ``ours``: kernels.verify_attention on the int8 per-token-head cache (the CUDA kernel on sm_90:
+  the wgmma split kernel by default).
+* ``mma``: the CUDA mma.sync split kernel of commit ea506d7 (same launcher, same split rule), so
+  every run prints the before/after of the wgmma kernel side by side (``--no-mma`` skips it).
 * ``triton``: the Triton kernel (CPU/CI path and fallback), with ``--triton``.
 * ``vllm``: vLLM 0.32.0's ``unified_attention`` called exactly as ``TritonAttentionImpl.forward``
   calls it for ``int8_per_token_head`` (H200 metadata: seq_threshold_3D = 128 // Hkv,
@@ -173,6 +177,20 @@ class Problem:
 
         return run
 
+    def mma(self) -> Callable[[], object]:
+        """The mma.sync CUDA kernel (ea506d7's), default launch."""
+        from kernels.verify_attention.cuda import verify_attention_cuda
+
+        p = self.pool
+
+        def run() -> object:
+            return verify_attention_cuda(
+                self.q, p.k, self.out, self.cu_q, self.t, self.seq_lens, self.ctx,
+                1 / math.sqrt(p.head_size), self.window, self.block_table, kernel="mma",
+            )  # fmt: skip
+
+        return run
+
     def triton(self) -> Callable[[], object]:
         """The Triton kernel (the CPU/CI path and the fallback), default launch."""
         p = self.pool
@@ -306,6 +324,45 @@ def sweep(pool: Int8KVCache, flush: torch.Tensor, bw: float, out: list) -> None:
         print(fmt(r), flush=True)
 
 
+def time_mma(
+    prob: Problem, label: str, flush: torch.Tensor, bw: float, base: float | None,
+    results: list, args: argparse.Namespace,
+) -> None:
+    """The mma.sync kernel (ea506d7) on the same problem, when the CUDA path serves it."""
+    from kernels.verify_attention import _use_cuda
+
+    p = prob.pool
+    if args.no_mma or not _use_cuda(prob.q, p.k, p.v, prob.out, p.k_scale, p.v_scale):
+        return
+    fn = prob.mma()
+    fn()
+    err = prob.error()
+    r = row(f"{label} mma-ea506d7", time_graph(fn, flush), prob.int8_bytes, bw, base, err)
+    results.append(r)
+    print(fmt(r), flush=True)
+
+
+def summary(results: list[dict]) -> None:
+    """Side by side per case: vLLM, the mma kernel (ea506d7), ours; ratios from this run."""
+    cases: dict[str, dict[str, dict]] = {}
+    for r in results:
+        if "us" not in r:
+            continue
+        case, _, prov = r["case"].rpartition(" ")
+        cases.setdefault(case, {})[prov] = r
+    print(f"\n{'case':<40} {'vllm us':>9} {'mma us':>8} {'ours us':>8} {'ours %':>7} "
+          f"{'mma %':>6} {'mma/ours':>8} {'vllm/ours':>9} err ours/mma/vllm")  # fmt: skip
+    for case, d in cases.items():
+        if "ours" not in d:
+            continue
+        o, m, v = d["ours"], d.get("mma-ea506d7"), d.get("vllm")
+        cell = lambda x, k, f: format(x[k], f) if x else "-"  # noqa: E731
+        ratio = lambda x: f"{x['us'] / o['us']:.2f}x" if x else "-"  # noqa: E731
+        errs = "/".join(f"{x['err']:.1e}" if x else "-" for x in (o, m, v))
+        print(f"{case:<40} {cell(v, 'us', '9.1f'):>9} {cell(m, 'us', '8.1f'):>8} {o['us']:8.1f} "
+              f"{o['pct_copy']:6.1f}% {cell(m, 'pct_copy', '5.1f'):>6} {ratio(m):>8} {ratio(v):>9} {errs}")  # fmt: skip
+
+
 def triton_next_pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
@@ -326,6 +383,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--triton", action="store_true", help="also time the Triton kernel (the fallback)")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's kernel (slow at long T>1)")
+    ap.add_argument("--no-sdpa", action="store_true", help="skip torch SDPA (bf16 copy of the cache)")
+    ap.add_argument("--no-mma", action="store_true", help="skip the mma.sync kernel (ea506d7)")
     ap.add_argument("--profile-one", type=int, default=0, help="one launch at 100K, T=this")
     args = ap.parse_args()
     if args.profile_one:
@@ -371,6 +430,7 @@ def main() -> None:
         r = row(f"{label} ours", time_graph(fn, flush), prob.int8_bytes, bw, base, err)
         results.append(r)
         print(fmt(r), flush=True)
+        time_mma(prob, label, flush, bw, base, results, args)
         if args.triton:
             fn = prob.triton()
             fn()
@@ -378,6 +438,10 @@ def main() -> None:
             r = row(f"{label} triton", time_graph(fn, flush), prob.int8_bytes, bw, base, err)
             results.append(r)
             print(fmt(r), flush=True)
+        if args.no_sdpa:
+            del prob
+            torch.cuda.empty_cache()
+            continue
         try:
             fn = prob.sdpa()
             r = row(f"{label} sdpa-bf16", time_graph(fn, flush), prob.bf16_bytes, bw, base, 0)
@@ -418,6 +482,7 @@ def main() -> None:
         r = row(f"{label} ours", time_graph(fn, flush), prob.int8_bytes, bw, base, err)
         results.append(r)
         print(fmt(r), flush=True)
+        time_mma(prob, label, flush, bw, base, results, args)
         if args.triton:
             fn = prob.triton()
             fn()
@@ -426,6 +491,7 @@ def main() -> None:
             results.append(r)
             print(fmt(r), flush=True)
 
+    summary(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -169,6 +169,30 @@ def test_cuda_matches_reference(seq_lens, q_lens, hq, hkv, d, page, window, spli
     run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
 
 
+# The mma.sync kernel (ea506d7's; HH_VERIFY_ATTENTION_MMA=mma) stays a selectable fallback.
+MMA_CASES = [c for c in CUDA_CASES if c.id in ("B3-T9,16,1-S3", "D128-w2048", "T40-qtiles-S5")]
+
+
+@gpu_only
+@pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), MMA_CASES)
+def test_cuda_mma_kernel(seq_lens, q_lens, hq, hkv, d, page, window, splits, monkeypatch):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the CUDA kernel runs on sm_90")
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_MMA", "mma")
+    run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits)
+
+
+def test_cuda_ring_depth():
+    """Two CTAs per SM: 2 stages at 48 query rows, 3 at one n8 tile of rows (D = 256)."""
+    from kernels.verify_attention.cuda import pick_stages, smem_bytes_wg
+
+    assert pick_stages(256, 6, smem_bytes_wg) == 2
+    assert pick_stages(256, 1, smem_bytes_wg) == 3
+    assert pick_stages(128, 4, smem_bytes_wg) == 4
+    assert pick_stages(256, 3) == 2  # the mma kernel, 48 rows as 3 m16 tiles
+
+
 def test_cuda_split_rule():
     """CUDA split rule at 132 SMs, two CTAs each: one full wave at batch 1, whole waves at 4."""
     from kernels.verify_attention.cuda import num_splits_for

@@ -1,7 +1,10 @@
 """CUDA split-KV verify attention (verify_attention.cu beside this file), compiled at run time.
 
 NVRTC through ``torch.cuda._compile_kernel`` (no nvcc or CUDA headers needed on the user's
-machine; the kernel source includes no header). Each (head size, query tile, ring depth, dtype)
+machine; the kernel source includes no header), for sm_90a (wgmma is arch-specific).
+Two split kernels: ``wgmma`` (verify_attn_split_wg, the default) and ``mma`` (verify_attn_split,
+mma.sync: the kernel of commit ea506d7, kept as the baseline and a fallback);
+``HH_VERIFY_ATTENTION_MMA=mma|wgmma`` picks one. Each (head size, query tile, ring depth, dtype)
 variant is compiled once per process (about 4 s), on its first call: call once eagerly before a
 CUDA-graph capture (vLLM's warm-up does). Launches go to torch's current stream, so they are
 captured like any other kernel.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +41,27 @@ def smem_bytes(d: int, mt: int, stages: int) -> int:
     return stages * BN * (2 * d + 16) + rows * (2 * d + 16) + rows * (2 * BN + 16) + 6 * rows * 4
 
 
-def pick_stages(d: int, mt: int) -> int:
+def smem_bytes_wg(d: int, n8: int, stages: int) -> int:
+    """Dynamic shared memory of one verify_attn_split_wg CTA (ring, Q, P, maxima / sums)."""
+    rows = 8 * n8
+    return stages * BN * (2 * d + 16) + rows * 2 * d + rows * 2 * BN + 5 * rows * 4
+
+
+def pick_stages(d: int, tiles: int, smem=smem_bytes) -> int:
     """Deepest ring (2..4) that still lets CTAS_PER_SM CTAs share an SM."""
     per_cta = SHARED_PER_SM // CTAS_PER_SM - 1024
     stages = 2
-    while stages < 4 and smem_bytes(d, mt, stages + 1) <= per_cta:
+    while stages < 4 and smem(d, tiles, stages + 1) <= per_cta:
         stages += 1
     return stages
+
+
+def default_kernel() -> str:
+    """HH_VERIFY_ATTENTION_MMA: wgmma (default) or mma (the mma.sync kernel of ea506d7)."""
+    kind = os.environ.get("HH_VERIFY_ATTENTION_MMA", "wgmma").lower()
+    if kind not in ("wgmma", "mma"):
+        raise ValueError(f"HH_VERIFY_ATTENTION_MMA={kind!r}: wgmma or mma")
+    return kind
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,7 +71,10 @@ def _source() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _compiled(name: str, smem: int) -> Any:
-    kernel = torch.cuda._compile_kernel(_source(), name, nvcc_options=["-std=c++17"])
+    # sm_90a: wgmma exists only in the arch-specific target (supported() admits sm_90 only).
+    kernel = torch.cuda._compile_kernel(
+        _source(), name, compute_capability="90a", nvcc_options=["-std=c++17"]
+    )
     if smem:
         if hasattr(kernel, "set_shared_memory_config"):
             kernel.set_shared_memory_config(smem)
@@ -147,11 +168,13 @@ def verify_attention_cuda(
     num_splits: int | None = None,
     stages: int | None = None,
     combine: bool = True,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Launch; the contract is ``kernels.verify_attention.verify_attention``'s (window = W or 0).
 
     ``stages`` overrides the ring depth and ``combine=False`` skips the merge of the partials
-    (out is then not written): both for timing experiments only."""
+    (out is then not written): both for timing experiments only. ``kernel``: "wgmma" or "mma"
+    (None: ``default_kernel()``)."""
     num_tokens, num_q_heads, d = q.shape
     num_seqs = seqused_k.shape[0]
     hkv = k.shape[2]
@@ -161,10 +184,15 @@ def verify_attention_cuda(
         keys = max_seqlen_k if window <= 0 else min(max_seqlen_k, window + block_q)
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         num_splits = num_splits_for(num_seqs, hkv, n_qt, keys, sms)
-    stages = stages or pick_stages(d, mt)
     bf16 = "true" if q.dtype == torch.bfloat16 else "false"
-    smem = smem_bytes(d, mt, stages)
-    split_kernel = _compiled(f"verify_attn_split<{d}, {mt}, {n8}, {stages}, {bf16}>", smem)
+    if (kernel or default_kernel()) == "wgmma":
+        stages = stages or pick_stages(d, n8, smem_bytes_wg)
+        smem = smem_bytes_wg(d, n8, stages)
+        split_kernel = _compiled(f"verify_attn_split_wg<{d}, {n8}, {stages}, {bf16}>", smem)
+    else:
+        stages = stages or pick_stages(d, mt)
+        smem = smem_bytes(d, mt, stages)
+        split_kernel = _compiled(f"verify_attn_split<{d}, {mt}, {n8}, {stages}, {bf16}>", smem)
     if num_splits > 1:
         part_acc = torch.empty(num_tokens, num_q_heads, num_splits, d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_tokens, num_q_heads, num_splits, 2, dtype=torch.float32, device=q.device)

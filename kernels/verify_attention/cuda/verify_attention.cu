@@ -1,8 +1,10 @@
 // Split-KV verify attention over vLLM 0.32.0's int8 per-token-head paged KV cache (CUDA).
 //
 // Compiled at run time by NVRTC (kernels/verify_attention/cuda/__init__.py), so it includes no
-// header: every special instruction is inline PTX. Needs sm_80+ (mma.sync, cp.async, ldmatrix);
-// sized for sm_90 (two 128-thread CTAs per SM fit its 228 KB of shared memory).
+// header: every special instruction is inline PTX. Two versions of the split kernel:
+// verify_attn_split (mma.sync, cp.async, ldmatrix: sm_80+; the kernel of commit ea506d7) and
+// verify_attn_split_wg (both products on wgmma: sm_90a only; the default, see its header below).
+// Sized for sm_90 (two 128-thread CTAs per SM fit its 228 KB of shared memory).
 //
 // Shapes (legend as in reference.py): q [N, Hq, D] bf16/fp16, out [N, Hq, D], the cache as
 // records of 2D + 8 bytes per (block, slot, KV head): K int8[D] | K scale f32 | V int8[D] |
@@ -605,4 +607,477 @@ __global__ void __launch_bounds__(256) verify_attn_combine(
     pk.y = pack_out<BF16>(a.z * inv, a.w * inv);
     *reinterpret_cast<uint2*>(out + (i64)tok * stride_o_tok + (i64)hq * stride_o_head + 4 * d4) = pk;
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// verify_attn_split_wg: the same split-KV kernel with both products on wgmma (sm_90a), A operand
+// from registers (the int8 -> fp16 conversion writes it directly), B operand from shared memory.
+//
+// Why: at 48 query rows the mma.sync kernel moves ~190 KB of shared memory per 64-key tile and
+// CTA, half of it Q re-read by each of the 4 warps (ldmatrix), and issues 192 mma.sync + 72
+// ldmatrix per warp per tile; at 8 warps per SM the latency is not hidden (ncu: "wait" stalls,
+// tensor pipe 32%). A wgmma m64nNk16 reads its B operand once for the whole warpgroup, so Q and P
+// are read from shared memory once per tile instead of four times, and 16 wgmma per product
+// replace the mma.sync / ldmatrix streams (no even/odd accumulator copy for S either).
+// * S^T = K Q^T: keys on M (warp w owns keys 16w..16w+15 of the tile, as before), query rows on N
+//   (N = 8 N8: T=1 with G=6 is n8, not an m16 padded to 16 rows). The K word a thread reads is its
+//   A fragment (contraction index d permuted as before). B = Q, K-major, no swizzle.
+// * O^T = V^T P^T: D on M (m64 tile t of warp w = its m16 tile t of before, same permuted output
+//   dims), query rows on N, keys on K. A = V from registers (prmt pairs as before); B = P, K-major.
+//   The key order inside each 16-key chunk is permuted so that a thread's two S values of one row
+//   (keys g and g + 8) are adjacent in P: logical k = 2 g + hh <-> key g + 8 hh. So the A fragment
+//   of V needs keys (c, c + 8) for logical k (2c, 2c + 1) and (c + 4, c + 12) for (2c + 8, 2c + 9).
+// * No-swizzle K-major shared layout (the wgmma "core matrix" is 8 rows x 16 bytes, 128 bytes
+//   contiguous): element (n, k) at (n / 8) * SBO + (k / 8) * 128 + (n % 8) * 16 + (k % 8) * 2, so
+//   LBO (next 8 k) = 128 bytes and SBO (next 8 rows) = 16 K bytes.
+// * The thread's accumulator columns (query rows 8 j + 2 c + e) are the same in S^T and O^T, so
+//   the softmax rescale factor never leaves the thread; the row sum stays a per-thread partial
+//   (reduced once, in the epilogue).
+// ---------------------------------------------------------------------------------------------
+namespace va {
+
+DI void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+DI void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+DI void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Generic-proxy shared stores (Q, P) -> visible to wgmma's reads (async proxy).
+DI void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Shared-memory matrix descriptor, no swizzle: start address, LBO, SBO (all >> 4).
+DI u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
+  return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
+}
+
+// D[64 x 8 N8] += A[64 x 16] (registers, this warp's 16 rows) B[16 x 8 N8] (descriptor), fp32.
+template <int N8>
+DI void wgmma_rs(float (&d)[N8][4], const u32 (&a)[4], u64 desc);
+template <>
+DI void wgmma_rs<1>(float (&d)[1][4], const u32 (&a)[4], u64 desc) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, %8, 1, 1, 1, 0;\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+template <>
+DI void wgmma_rs<2>(float (&d)[2][4], const u32 (&a)[4], u64 desc) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+      "{%8, %9, %10, %11}, %12, 1, 1, 1, 0;\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+template <>
+DI void wgmma_rs<3>(float (&d)[3][4], const u32 (&a)[4], u64 desc) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, "
+      "{%12, %13, %14, %15}, %16, 1, 1, 1, 0;\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+template <>
+DI void wgmma_rs<4>(float (&d)[4][4], const u32 (&a)[4], u64 desc) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, 1, 1, 1, 0;\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+template <>
+DI void wgmma_rs<5>(float (&d)[5][4], const u32 (&a)[4], u64 desc) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n40k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19}, "
+      "{%20, %21, %22, %23}, %24, 1, 1, 1, 0;\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+template <>
+DI void wgmma_rs<6>(float (&d)[6][4], const u32 (&a)[4], u64 desc) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, "
+      "{%24, %25, %26, %27}, %28, 1, 1, 1, 0;\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+}  // namespace va
+
+// Template parameters as verify_attn_split's, minus MT (query rows <= 8 N8, padded to 8 N8).
+template <int D, int N8, int STAGES, bool BF16>
+__global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
+    const unsigned short* __restrict__ q,  // [N, Hq, D]
+    const signed char* __restrict__ kv,    // the K view's base: record of (block 0, slot 0, head 0)
+    const int* __restrict__ block_table,   // [B, stride_bt]
+    const int* __restrict__ seq_lens,      // [B]
+    const int* __restrict__ cu_q,          // [B + 1]
+    unsigned short* __restrict__ out,      // [N, Hq, D], written when num_splits == 1
+    float* __restrict__ part_acc,          // [N, Hq, num_splits, D] when num_splits > 1
+    float* __restrict__ part_ml,           // [N, Hq, num_splits, 2]
+    double qk_scale_d,                     // softmax_scale * log2(e)
+    int window,                            // key k visible from position p iff p - k < window; 0: none
+    int num_splits, int num_q_tiles, int block_q, int G, int page, int num_kv_heads,
+    int stride_q_tok, int stride_q_head, int stride_o_tok, int stride_o_head,
+    int stride_kv_blk, int stride_kv_slot, int stride_kv_head, int stride_bt) {
+  using namespace va;
+  constexpr int BN = VA_BN;
+  constexpr int NW = VA_THREADS / 32;  // one warpgroup
+  constexpr int RP = 2 * D + 16;       // shared row pitch of one key's window (bytes)
+  constexpr int R = 8 * N8;            // query rows held (padded): the N of both products
+  constexpr int QSBO = 2 * D * 8;      // Q: bytes between 8-row groups (K-major, no swizzle)
+  constexpr int PSBO = 2 * BN * 8;     // P: likewise
+  constexpr int DW = D / NW;           // output dims per warp in the PV product
+  constexpr int MTD = DW / 16;         // m64 tiles of the PV product (this warp's m16 slice each)
+  constexpr int WV = DW / 32;          // 32-bit V words per key row per thread
+  static_assert(D == 128 || D == 256, "head size 128 or 256");
+  static_assert(N8 >= 1 && N8 <= 6, "1..48 query rows");
+
+  extern __shared__ __align__(128) unsigned char wsmem[];
+  const u32 kv_s = smem_addr(wsmem);
+  const u32 q_s = kv_s + STAGES * BN * RP;  // [R / 8][D / 8] core matrices of 8 x 16 bytes
+  const u32 p_s = q_s + R * 2 * D;          // [R / 8][BN / 8] core matrices
+  float* red_s = reinterpret_cast<float*>(wsmem + STAGES * BN * RP + R * 2 * D + R * 2 * BN);  // [NW][R]
+  float* m_s = red_s + NW * R;                                                                // [R]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+
+  int bx = blockIdx.x;
+  const int h = bx % num_kv_heads;
+  bx /= num_kv_heads;
+  const int qt = bx % num_q_tiles;
+  const int split = bx / num_q_tiles;
+  const int b = blockIdx.y;
+
+  const int q_start = cu_q[b];
+  const int q_len = cu_q[b + 1] - q_start;
+  const int q_lo = qt * block_q;
+  if (q_lo >= q_len) return;  // uniform over the CTA
+  const int q_hi = min(q_lo + block_q, q_len);
+  const int rows = (q_hi - q_lo) * G;
+  const int ctx = seq_lens[b] - q_len;
+  const int k_hi = ctx + q_hi;
+  const int k_lo = window > 0 ? max(ctx + q_lo - window + 1, 0) : 0;
+  const int span = max(k_hi - k_lo, 0);
+  const int per = ((span + num_splits - 1) / num_splits + BN - 1) / BN * BN;
+  const int n_start = k_lo + split * per;
+  const int n_end = min(n_start + per, k_hi);
+  const int ntiles = n_end > n_start ? (n_end - n_start + BN - 1) / BN : 0;
+  const int Hq = num_kv_heads * G;
+  const int shift = (int)((reinterpret_cast<u64>(kv) + (u64)h * (u64)stride_kv_head) & 15u);
+
+  // ---- K/V tile loads: as in verify_attn_split.
+  auto lookup = [&](int tile, int& blk, int& slot) {
+    const int key = n_start + tile * BN + warp * 16 + (lane & 15);
+    blk = -1, slot = 0;
+    if (tile < ntiles && key < n_end) {
+      const int lp = key / page;
+      slot = key - lp * page;
+      blk = block_table[(i64)b * stride_bt + lp];
+    }
+  };
+  auto issue = [&](int tile, int blk, int slot) {
+    constexpr int CK = D / 8;
+    constexpr int KPR = 32 / CK;
+    const int kb = n_start + tile * BN + warp * 16;
+    u64 src = reinterpret_cast<u64>(kv);
+    if (blk >= 0)
+      src += (u64)((i64)blk * stride_kv_blk + (i64)slot * stride_kv_slot + (i64)h * stride_kv_head - shift);
+    const u32 dst = kv_s + (tile % STAGES) * (BN * RP) + warp * 16 * RP;
+    const int kl = lane / CK, ch = lane % CK;
+#pragma unroll
+    for (int r = 0; r < 16 / KPR; ++r) {
+      const int kk = r * KPR + kl;
+      const u64 a = ((u64)shfl_idx((u32)(src >> 32), kk) << 32) | shfl_idx((u32)src, kk);
+      const bool ok = kb + kk < n_end;
+      cp_async16(dst + kk * RP + ch * 16, ok ? a + ch * 16 : a, ok ? 16 : 0);
+    }
+    if (lane < 16) {
+      const bool ok = blk >= 0;
+      cp_async16(dst + lane * RP + CK * 16, ok ? src + CK * 16 : src, ok ? 16 : 0);
+    }
+  };
+
+  int nblk, nslot;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    lookup(s, nblk, nslot);
+    if (s < ntiles) issue(s, nblk, nslot);
+    cp_async_commit();
+  }
+  lookup(STAGES - 1, nblk, nslot);
+
+  // ---- Q -> shared memory, fp16, pre-scaled, d permuted within each 16-chunk as in
+  // verify_attn_split (physical d = 16 s + 4 cc + e -> logical k = 16 s + 2 cc + e, e < 2, or
+  // 16 s + 8 + 2 cc + e - 2), stored in the K-major core-matrix layout. All global loads of a
+  // thread are issued before the first conversion: one memory latency, not one per item.
+  {
+    constexpr int NQ = R * (D / 4) / VA_THREADS;  // 8-byte items per thread
+    static_assert(R * (D / 4) % VA_THREADS == 0, "Q items split evenly");
+    const float qs = (float)qk_scale_d;
+    u64 raw[NQ];
+#pragma unroll
+    for (int i = 0; i < NQ; ++i) {
+      const int it = tid + i * VA_THREADS;
+      const int r = it / (D / 4), rem = it % (D / 4);
+      raw[i] = 0;
+      if (r < rows) {
+        const int t = r / G, grp = r - (r / G) * G;
+        raw[i] = *reinterpret_cast<const u64*>(q + (i64)(q_start + q_lo + t) * stride_q_tok +
+                                               (i64)(h * G + grp) * stride_q_head + 4 * rem);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < NQ; ++i) {
+      const int it = tid + i * VA_THREADS;
+      const int r = it / (D / 4), rem = it % (D / 4);
+      const int s = rem >> 2, cc = rem & 3;
+      float v[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[e] = to_f32<BF16>((unsigned short)(raw[i] >> (16 * e))) * qs;
+      const u32 base = q_s + (r >> 3) * QSBO + 2 * s * 128 + (r & 7) * 16 + 4 * cc;
+      sts32(base, pack_f16(v[0], v[1]));
+      sts32(base + 128, pack_f16(v[2], v[3]));
+    }
+    fence_proxy_async();  // the loop's first __syncthreads then orders these before wgmma reads
+  }
+
+  // This thread's query rows in both accumulators: 8 j + 2 c + e.
+  int qpos[N8][2];
+#pragma unroll
+  for (int j = 0; j < N8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) qpos[j][e] = ctx + q_lo + (8 * j + 2 * c + e) / G;
+
+  float m_r[N8][2], l_r[N8][2];  // running max (log2 units; every thread holds the same) and
+                                 // this thread's partial row sum
+#pragma unroll
+  for (int j = 0; j < N8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) m_r[j][e] = NEG_INF, l_r[j][e] = 0.f;
+  float acc[MTD][N8][4];
+#pragma unroll
+  for (int t = 0; t < MTD; ++t)
+#pragma unroll
+    for (int j = 0; j < N8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[t][j][i] = 0.f;
+
+  for (int it = 0; it < ntiles; ++it) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile `it` landed; every warp is done with tile it - 1 (and its P reads)
+    if (it + STAGES - 1 < ntiles) issue(it + STAGES - 1, nblk, nslot);
+    cp_async_commit();
+    lookup(it + STAGES, nblk, nslot);
+
+    const u32 st = kv_s + (it % STAGES) * (BN * RP);
+    const int kb = n_start + it * BN;
+
+    // ---- S^T = K Q^T: s[j][2 hh + e] is key 16 w + g + 8 hh, query row 8 j + 2 c + e.
+    float s[N8][4];
+#pragma unroll
+    for (int j = 0; j < N8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[j][i] = 0.f;
+    const u32 k0 = st + (warp * 16 + g) * RP + shift + 4 * c;
+#pragma unroll
+    for (int kb4 = 0; kb4 < D / 16; kb4 += 4) {
+      u32 a[4][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        i8x4_to_f16(lds32(k0 + 16 * (kb4 + i)), a[i][0], a[i][2]);
+        i8x4_to_f16(lds32(k0 + 8 * RP + 16 * (kb4 + i)), a[i][1], a[i][3]);
+      }
+      wg_fence();  // A registers (and, first time, S) written by this thread
+#pragma unroll
+      for (int i = 0; i < 4; ++i) wgmma_rs<N8>(s, a[i], wg_desc(q_s + (kb4 + i) * 256, 128, QSBO));
+    }
+    wg_commit();
+
+    // Scales of this thread's two keys (read while the products run).
+    float ksc[2], vsc[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const u32 row = st + (warp * 16 + g + 8 * hh) * RP + shift;
+      ksc[hh] = lds_f32(row + D);
+      vsc[hh] = lds_f32(row + 2 * D + 4);
+    }
+    wg_wait<0>();
+
+#pragma unroll
+    for (int j = 0; j < N8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[j][i] *= ksc[i >> 1];
+    const bool need_mask = kb + BN > n_end || kb + BN - 1 > ctx + q_lo ||
+                           (window > 0 && kb < ctx + q_hi - window);
+    if (need_mask) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int kpos = kb + warp * 16 + g + 8 * hh;
+#pragma unroll
+        for (int j = 0; j < N8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int qp = qpos[j][e];
+            const bool vis = kpos < n_end && kpos <= qp && (window <= 0 || qp - kpos < window);
+            if (!vis) s[j][2 * hh + e] = NEG_INF;
+          }
+      }
+    }
+    // Row max over this warp's 16 keys (lanes of one c), then across the 4 warps.
+#pragma unroll
+    for (int j = 0; j < N8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float mx = fmaxf(s[j][e], s[j][2 + e]);
+        mx = fmaxf(mx, shfl_xor(mx, 4));
+        mx = fmaxf(mx, shfl_xor(mx, 8));
+        mx = fmaxf(mx, shfl_xor(mx, 16));
+        if (g == 0) red_s[warp * R + 8 * j + 2 * c + e] = mx;
+      }
+    __syncthreads();  // row maxima of all warps
+
+    // ---- online softmax (lazy rescale as in verify_attn_split); P (times the V scale) -> shared
+    // memory as fp16, keys g and g + 8 packed at logical k = 16 w + 2 g.
+    float al[N8][2];
+    bool rescale = false;
+#pragma unroll
+    for (int j = 0; j < N8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int row = 8 * j + 2 * c + e;
+        float tmax = red_s[row];
+#pragma unroll
+        for (int w = 1; w < NW; ++w) tmax = fmaxf(tmax, red_s[w * R + row]);
+        const float mo = m_r[j][e];
+        const float mn = tmax > mo + 8.f ? tmax : mo;
+        const float ms = mn == NEG_INF ? 0.f : mn;
+        const float alpha = mn == mo ? 1.f : ex2(mo - ms);
+        m_r[j][e] = mn;
+        const float p0 = ex2(s[j][e] - ms);
+        const float p1 = ex2(s[j][2 + e] - ms);
+        l_r[j][e] = l_r[j][e] * alpha + (p0 + p1);
+        al[j][e] = alpha;
+        rescale |= alpha != 1.f;
+        sts32(p_s + j * PSBO + (2 * warp + (g >> 2)) * 128 + (2 * c + e) * 16 + 4 * (g & 3),
+              pack_f16(p0 * vsc[0], p1 * vsc[1]));
+      }
+    fence_proxy_async();
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int t = 0; t < MTD; ++t)
+#pragma unroll
+        for (int j = 0; j < N8; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[t][j][i] *= al[j][i & 1];
+    }
+    __syncthreads();  // P of all warps
+
+    // ---- O^T += V^T P^T over this warp's D/4 output dims: per 16-key chunk kk, one wgmma per
+    // m64 tile. Logical k (2c, 2c+1) = keys (c, c + 8), (2c + 8, 2c + 9) = keys (c + 4, c + 12).
+    const u32 v0 = st + shift + D + 4 + warp * DW + 4 * g;
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      u32 af[MTD][4];
+#pragma unroll
+      for (int kp = 0; kp < 2; ++kp) {
+        const int key = 16 * kk + c + 4 * kp;
+#pragma unroll
+        for (int wd = 0; wd < WV; ++wd) {
+          const u32 w0 = lds32(v0 + key * RP + 32 * wd);
+          const u32 w1 = lds32(v0 + (key + 8) * RP + 32 * wd);
+          u32 hv[4];
+          i8x4_to_f16(prmt(w0, w1, 0x5140u), hv[0], hv[1]);  // d +0, +1 of keys (key, key + 8)
+          i8x4_to_f16(prmt(w0, w1, 0x7362u), hv[2], hv[3]);  // d +2, +3
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            const int f = 4 * wd + jj;  // -> m64 tile f % MTD, row half f / MTD
+            af[f % MTD][f / MTD + 2 * kp] = hv[jj];
+          }
+        }
+      }
+      wg_fence();  // A registers (and, after a rescale, acc) written by this thread
+#pragma unroll
+      for (int t = 0; t < MTD; ++t) wgmma_rs<N8>(acc[t], af[t], wg_desc(p_s + kk * 256, 128, PSBO));
+    }
+    wg_commit();
+    wg_wait<0>();  // P may be overwritten (after the next __syncthreads); acc readable
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue: row sums over the 8 lanes of one c and the warps; running max from warp 0
+#pragma unroll
+  for (int j = 0; j < N8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float l = l_r[j][e];
+      l += shfl_xor(l, 4);
+      l += shfl_xor(l, 8);
+      l += shfl_xor(l, 16);
+      const int row = 8 * j + 2 * c + e;
+      if (g == 0) red_s[warp * R + row] = l;
+      if (warp == 0 && g == 0) m_s[row] = m_r[j][e];
+    }
+  __syncthreads();
+
+#pragma unroll
+  for (int j = 0; j < N8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int row = 8 * j + 2 * c + e;
+      if (row >= rows) continue;
+      float l = 0.f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) l += red_s[w * R + row];
+      const int t = row / G, grp = row - (row / G) * G;
+      const i64 tok = q_start + q_lo + t;
+      const int hq = h * G + grp;
+      if (num_splits == 1) {
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        unsigned short* o = out + tok * stride_o_tok + (i64)hq * stride_o_head + warp * DW + 4 * g;
+#pragma unroll
+        for (int wd = 0; wd < WV; ++wd) {
+          float v[4];
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            const int f = 4 * wd + jj;
+            v[jj] = acc[f % MTD][j][2 * (f / MTD) + e] * inv;
+          }
+          uint2 pk;
+          pk.x = pack_out<BF16>(v[0], v[1]);
+          pk.y = pack_out<BF16>(v[2], v[3]);
+          *reinterpret_cast<uint2*>(o + 32 * wd) = pk;
+        }
+      } else {
+        const i64 pr = (tok * Hq + hq) * num_splits + split;
+        float* pa = part_acc + pr * D + warp * DW + 4 * g;
+#pragma unroll
+        for (int wd = 0; wd < WV; ++wd) {
+          float4 v;
+          v.x = acc[(4 * wd + 0) % MTD][j][2 * ((4 * wd + 0) / MTD) + e];
+          v.y = acc[(4 * wd + 1) % MTD][j][2 * ((4 * wd + 1) / MTD) + e];
+          v.z = acc[(4 * wd + 2) % MTD][j][2 * ((4 * wd + 2) / MTD) + e];
+          v.w = acc[(4 * wd + 3) % MTD][j][2 * ((4 * wd + 3) / MTD) + e];
+          *reinterpret_cast<float4*>(pa + 32 * wd) = v;
+        }
+        if (warp == 0 && g == 0) {
+          part_ml[pr * 2] = m_s[row];
+          part_ml[pr * 2 + 1] = l;
+        }
+      }
+    }
 }
