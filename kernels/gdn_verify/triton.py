@@ -27,22 +27,24 @@ import triton.language as tl
 
 
 def _default_config(batch: int, state_dtype: torch.dtype, state_vk: bool = False) -> tuple[int, ...]:
-    """(BV, num_warps, VEC, PF, RG) from the H200 sweeps (NOTES.md, ``python -m kernels.gdn_verify.sweep``).
+    """(BV, num_warps, VEC, PF, RG, FOLD) from the H200 sweeps (NOTES.md, ``python -m kernels.gdn_verify.sweep``).
 
-    BV: V columns per program; VEC: state vector width along V (4 gives a [16 K x 2 V] lane split
-    for every state dtype); PF: new tokens prefetched ahead (<= 4); RG: replay tokens per
-    predicated group.  One warp holding a [K, 8] tile wins everywhere measured except fp32 states
-    at batch 8, where a [K, 16] tile was 5% faster.  The BV=16 tile reduces in another order, so
-    fp32 states at batch >= 8 differ from the same request run at batch < 8 by float rounding
-    (max 3e-5 measured); lazy, eager and commit calls of one batch size stay bit-identical.
+    BV: V columns per program (one warp); VEC: state vector width along V, which fixes the lane
+    split of the [K, BV] tile; PF: new tokens prefetched ahead (<= 4); RG: replay tokens per
+    predicated group; FOLD: norms/decay folded into scalars (see _delta_step).
+    Both defaults split the tile over [8 K-lanes x 4 V-lanes] ((8, 1, 2): 2 V values per thread,
+    (16, 1, 4): 4), so K reductions run in the same order and a request's results do not depend
+    on the batch size it ran in (bit-identical across the two tilings, tested on the GPU).
     """
-    if state_dtype == torch.float32 and batch >= 8 and not state_vk:
-        return (16, 1, 4, 2, 4)
-    return (8, 1, 4, 2, 4)
+    if state_vk:
+        return (8, 1, 4, 2, 4, 1)
+    if batch >= 8:
+        return (16, 1, 4, 4, 8, 1)
+    return (8, 1, 2, 4, 8, 1)
 
 
-def _resolve_config(config, batch, state_dtype, state_vk) -> tuple[int, int, int, int, int]:
-    """A partial config (BV, num_warps[, VEC[, PF[, RG]]]) filled from the default."""
+def _resolve_config(config, batch, state_dtype, state_vk) -> tuple[int, int, int, int, int, int]:
+    """A partial config (BV, num_warps[, VEC[, PF[, RG[, FOLD]]]]) filled from the default."""
     full = _default_config(batch, state_dtype, state_vk)
     if config is None:
         return full  # type: ignore[return-value]
@@ -74,14 +76,29 @@ def _rnorm(x):
 
 
 @triton.jit
-def _delta_step(b_h, b_k, rk, b_v, decay, beta):
+def _delta_step(b_h, b_k, rk, b_v, decay, beta, FOLD: tl.constexpr):
     """b_h: [BK, BV] fp32 state tile; b_k: [BK] raw key (fp32) and rk its 1/norm; b_v: [BV];
-    decay, beta: scalars.  The norm and the decay are folded into scalars/[BV] vectors so the
-    per-element work is 3 ops (decay, k.h, rank-1 update) and the k.h reduction does not wait
-    for the decay multiply."""
-    b_kh = tl.sum(b_h * b_k[:, None], 0)
-    b_u = (b_v - b_kh * (decay * rk)) * (beta * rk)
-    return b_h * decay + b_k[:, None] * b_u[None, :]
+    decay, beta: scalars.  FOLD=1 folds the norm and the decay into scalars/[BV] vectors (the
+    k.h reduction does not wait for the decay multiply, no [BK] normalisation); FOLD=0 is the
+    reference's order: normalise k, decay h, then reduce."""
+    if FOLD:
+        b_kh = tl.sum(b_h * b_k[:, None], 0)
+        b_u = (b_v - b_kh * (decay * rk)) * (beta * rk)
+        return b_h * decay + b_k[:, None] * b_u[None, :]
+    else:
+        b_kn = b_k * rk
+        b_h = b_h * decay
+        b_u = (b_v - tl.sum(b_h * b_kn[:, None], 0)) * beta
+        return b_h + b_kn[:, None] * b_u[None, :]
+
+
+@triton.jit
+def _out(b_h, b_q, rq, FOLD: tl.constexpr):
+    """o = sum_k h[k, :] * q_n[k], q_n = q * rq (rq includes the query scale)."""
+    if FOLD:
+        return tl.sum(b_h * b_q[:, None], 0) * rq
+    else:
+        return tl.sum(b_h * (b_q * rq)[:, None], 0)
 
 
 @triton.jit
@@ -107,7 +124,7 @@ def gdn_verify_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     LAZY: tl.constexpr, STATE_VK: tl.constexpr,
-    VEC: tl.constexpr, PF: tl.constexpr, RG: tl.constexpr,
+    VEC: tl.constexpr, PF: tl.constexpr, RG: tl.constexpr, FOLD: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -172,7 +189,7 @@ def gdn_verify_kernel(
                         l_a = tl.load(p_row + H * K + HV * V + i_hv, mask=m_i, other=0)
                         l_b = tl.load(p_row + H * K + HV * V + HV + i_hv, mask=m_i, other=0)
                         decay, beta = _gates(l_a, l_b, neg_exp_A, dt)
-                        b_hn = _delta_step(b_h, l_k, _rnorm(l_k), l_v.to(tl.float32), decay, beta)
+                        b_hn = _delta_step(b_h, l_k, _rnorm(l_k), l_v.to(tl.float32), decay, beta, FOLD)
                         b_h = tl.where(m_i, b_hn, b_h)
         # The eager path rounds here (its stored state of the last accepted token); idempotent
         # when nothing was replayed.
@@ -205,8 +222,8 @@ def gdn_verify_kernel(
         f_q = r_q.to(tl.float32)
         f_k = r_k.to(tl.float32)
         decay, beta = _gates(r_a, r_b, neg_exp_A, dt)
-        b_h = _delta_step(b_h, f_k, _rnorm(f_k), r_v.to(tl.float32), decay, beta)
-        b_o = tl.sum(b_h * f_q[:, None], 0) * (_rnorm(f_q) * scale)
+        b_h = _delta_step(b_h, f_k, _rnorm(f_k), r_v.to(tl.float32), decay, beta, FOLD)
+        b_o = _out(b_h, f_q, _rnorm(f_q) * scale, FOLD)
         tl.store(o + ((i_b * T + t) * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if LAZY:
             p_row = p_lout + t * LR
@@ -300,7 +317,7 @@ def gdn_verify_fwd(
             a, b = a.contiguous(), b.contiguous()
             a, *sab = _dense(a, "a", 1)
         o = out if out is not None else torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
-    BV, num_warps, vec, pf, rg = _resolve_config(config, B, state.dtype, state_vk)
+    BV, num_warps, vec, pf, rg, fold = _resolve_config(config, B, state.dtype, state_vk)
     BV = min(BV, triton.next_power_of_2(V))
     grid = (triton.cdiv(V, BV), B * HV)
     gdn_verify_kernel[grid](
@@ -312,7 +329,7 @@ def gdn_verify_fwd(
         sqk[0], sqk[1], sv[0], sv[1], sab[0], sab[1], state.stride(0),
         T=T, TL=TL, H=H, HV=HV, K=K, V=V,
         BK=triton.next_power_of_2(K), BV=BV, LAZY=lazy, STATE_VK=state_vk,
-        VEC=min(vec, BV), PF=pf, RG=rg,
+        VEC=min(vec, BV), PF=pf, RG=rg, FOLD=bool(fold),
         num_warps=num_warps, num_stages=1,
     )
     return o if T else None

@@ -146,8 +146,8 @@ def test_lazy_bit_identical_to_eager(sdtype):
 
 
 # (BV, num_warps, VEC, PF, RG): prefetch depths 1/3/4 with T=5 rotate the prefetch queue through
-# every slot; RG=1 and RG=8 (> TL) cover the replay-group edges; BV=4 a tile narrower than VEC.
-@pytest.mark.parametrize("config", [(4, 1, 2, 1, 1), (8, 1, 4, 3, 8), (16, 1, 4, 4, 2)], ids=str)
+# every slot; RG=1 and RG=8 (> TL) cover the replay-group edges; FOLD=0 the unfolded arithmetic.
+@pytest.mark.parametrize("config", [(4, 1, 2, 1, 1, 1), (8, 1, 4, 3, 8, 0), (16, 1, 4, 4, 2, 1)], ids=str)
 def test_lazy_bit_identical_to_eager_configs(config):
     steps = [[5, 0, 2], [1, 5, 3], [0, 2, 5]]
     _lazy_vs_eager(torch.bfloat16, 3, 5, 1, 2, 16, 20, steps, config=config, seed=300)
@@ -259,9 +259,16 @@ def test_real_shapes_gpu(B, sdtype):
         parity ^= 1
 
 
-# Candidate tilings timed by kernels/gdn_verify/sweep.py; (4, 1, 2, ...) and (8, 1, 4, ...) share
-# the [16 K-lanes] split, so they reduce in the same order and give bit-identical results.
-GPU_CONFIGS = [(8, 1, 4, 2, 4), (8, 1, 4, 4, 8), (4, 1, 2, 4, 8), (4, 1, 2, 2, 4), (8, 1, 2, 4, 8), (16, 1, 4, 4, 8)]
+# Candidate tilings timed by kernels/gdn_verify/sweep.py.  Tilings with the same lane split along K
+# reduce in the same order and must give bit-identical results: [16 K-lanes] (8, 1, 4), (4, 1, 2);
+# [8 K-lanes] (8, 1, 2), (16, 1, 4) (the two defaults).
+GPU_CONFIGS = [(8, 1, 4, 2, 4, 1), (8, 1, 4, 2, 4, 0), (4, 1, 2, 4, 8, 1), (8, 1, 2, 4, 8, 1),
+               (8, 1, 2, 4, 8, 0), (16, 1, 4, 4, 8, 1), (16, 1, 4, 4, 8, 0)]
+
+
+def _family_ref(config):
+    k_lanes = 32 // (config[0] // min(config[2], config[0]))
+    return {16: (8, 1, 4, 2, 4), 8: (8, 1, 2, 4, 8)}[k_lanes] + tuple(config[5:])
 
 
 @pytest.mark.skipif(not CUDA, reason="real shapes need CUDA")
@@ -270,33 +277,34 @@ GPU_CONFIGS = [(8, 1, 4, 2, 4), (8, 1, 4, 4, 8), (4, 1, 2, 4, 8), (4, 1, 2, 2, 4
 def test_real_shapes_configs_gpu(config, sdtype):
     T, H, HV, K, V = 8, 16, 48, 128, 128
     _lazy_vs_eager(sdtype, 3, T, H, HV, K, V, [[8, 3, 0], [1, 8, 5]], config=config, seed=400)
-    if config[0] == 2 * config[2] and config[:3] != (8, 1, 4):  # same K split as (8, 1, 4)
+    ref = _family_ref(config)
+    if tuple(config) != ref:
         outs = []
-        for cfg in (config, (8, 1, 4, 2, 4)):
+        for cfg in (config, ref):
             x = make_inputs(3, T, H, HV, K, V, seed=500)
             pool = torch.randn(3, HV, K, V, generator=torch.Generator().manual_seed(1)).mul(0.05).to(sdtype).to(DEVICE)
             log = gdn_log_empty(3, T, H, K, HV, V, torch.bfloat16, DEVICE)
             par = torch.zeros(1, dtype=torch.int32, device=DEVICE)
             slots = torch.arange(3, dtype=torch.int32, device=DEVICE)
             fused_recurrent_gdn_verify(**x, state=pool, state_indices=slots, log=log, log_parity=par,
-                                       num_replay=torch.zeros(3, dtype=torch.int32, device=DEVICE), config=cfg)
+                                       num_replay=torch.zeros(3, dtype=torch.int32, device=DEVICE),
+                                       out=nan_out(3, T, HV, V), config=cfg)
             par ^= 1
             o = fused_recurrent_gdn_verify(**x, state=pool, state_indices=slots, log=log, log_parity=par,
                                            num_replay=torch.tensor([8, 2, 5], dtype=torch.int32, device=DEVICE),
                                            out=nan_out(3, T, HV, V), config=cfg)
             outs.append((o, pool))
-        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), f"{config} vs {ref}"
 
 
 def test_default_config_table():
-    """(BV, num_warps, VEC, PF, RG) per state dtype and batch, from the H200 sweep in NOTES.md."""
+    """(BV, num_warps, VEC, PF, RG, FOLD) per batch, from the H200 sweep in NOTES.md."""
     from kernels.gdn_verify.triton import _default_config, _resolve_config
 
-    assert _default_config(8, torch.float32) == (16, 1, 4, 2, 4)
-    assert _default_config(4, torch.float32) == (8, 1, 4, 2, 4)
-    assert _default_config(8, torch.float32, state_vk=True) == (8, 1, 4, 2, 4)
-    for sd in (torch.bfloat16, torch.float16):
-        assert _default_config(1, sd) == _default_config(8, sd) == (8, 1, 4, 2, 4)
-    assert _resolve_config((16, 2), 1, torch.float32, False) == (16, 2, 4, 2, 4)
+    for sd in (torch.float32, torch.bfloat16, torch.float16):
+        assert _default_config(8, sd) == _default_config(16, sd) == (16, 1, 4, 4, 8, 1)
+        assert _default_config(1, sd) == _default_config(7, sd) == (8, 1, 2, 4, 8, 1)
+        assert _default_config(8, sd, state_vk=True) == (8, 1, 4, 2, 4, 1)
+    assert _resolve_config((16, 2), 1, torch.float32, False) == (16, 2, 2, 4, 8, 1)
     with pytest.raises(ValueError):
         _resolve_config((8, 1, 4, 5), 1, torch.float32, False)
