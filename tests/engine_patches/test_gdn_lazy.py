@@ -1,0 +1,230 @@
+"""The lazy-commit GDN layer's spec branch on CPU (Triton interpreter), against its eager twin.
+
+Two `LazyQwenGDN` layers with the same weights and state pools are driven with vLLM-shaped
+`GDNAttentionMetadata` through several verify steps (ragged rows, 0 / some / all drafts accepted,
+a row sitting out a step, a row entering from vLLM's own form): one runs the lazy kernel, the
+other the eager twin (vLLM's per-token storing, same arithmetic).  Outputs, conv buffers and the
+materialised states (the lazy one committed back to vLLM form) must be bit-identical.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import types
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first  # noqa: E402
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata  # noqa: E402
+
+from backend.plugin import gdn  # noqa: E402
+from backend.plugin.gdn_layer import LazyQwenGDN  # noqa: E402
+from backend.plugin.gdn_lazy import LazyGdnState, spec_conv_update  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+H, HV, K, V, WIDTH, NUM_SPEC, SLOTS = 1, 2, 128, 128, 4, 3, 24
+DIM = 2 * H * K + HV * V
+DT = torch.bfloat16
+
+
+def _layer(eager: bool, weights: dict[str, torch.Tensor], conv: torch.Tensor, ssm: torch.Tensor) -> LazyQwenGDN:
+    layer = LazyQwenGDN.__new__(LazyQwenGDN)
+    torch.nn.Module.__init__(layer)
+    layer.prefix = "model.layers.0.linear_attn"
+    layer.tp_size = 1
+    layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim = H, HV, K, V
+    layer.key_dim, layer.value_dim = H * K, HV * V
+    layer.num_spec = NUM_SPEC
+    layer.activation = "silu"
+    layer.model_config = types.SimpleNamespace(dtype=DT)
+    layer.conv1d = types.SimpleNamespace(weight=weights["conv_w"].unsqueeze(1), bias=None)
+    layer.A_log, layer.dt_bias = weights["A_log"], weights["dt_bias"]
+    layer.kv_cache = [conv.clone(), ssm.clone()]
+    layer.hh_eager, layer.hh_state, layer.hh_lazy_steps, layer.hh_upstream_steps = eager, None, 0, 0
+    return layer
+
+
+def _pools(seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    weights = {
+        "conv_w": (torch.randn(DIM, WIDTH, generator=g) * 0.5).to(DT),
+        "A_log": torch.randn(HV, generator=g) * 0.5,
+        "dt_bias": torch.randn(HV, generator=g) * 0.5,
+    }
+    state_len = WIDTH - 1 + NUM_SPEC
+    shape = (SLOTS, DIM, state_len) if is_conv_state_dim_first() else (SLOTS, state_len, DIM)
+    conv = torch.randn(*shape, generator=g).to(DT)
+    ssm = (torch.randn(SLOTS, HV, V, K, generator=g) * 0.1).to(DT)
+    return weights, conv, ssm
+
+
+def _metadata(spec_idx: torch.Tensor, lens: list[int], acc: list[int]) -> GDNAttentionMetadata:
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    n = int(qsl[-1])
+    return GDNAttentionMetadata(
+        num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0,
+        num_spec_decodes=len(lens), num_spec_decode_tokens=n, num_actual_tokens=n,
+        spec_query_start_loc=qsl, spec_state_indices_tensor=spec_idx,
+        spec_sequence_masks=torch.ones(len(lens), dtype=torch.bool),
+        num_accepted_tokens=torch.tensor(acc, dtype=torch.int32),
+        uniform_spec_sequence_length=lens[0] if len(set(lens)) == 1 else None,
+    )
+
+
+def _step(layer: LazyQwenGDN, md: GDNAttentionMetadata, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], HV, V, dtype=DT)
+    layer._hh_metadata = lambda: md  # type: ignore[method-assign]
+    layer.hh_core(x, b, a, out, upstream=lambda: pytest.fail("routed upstream"))
+    return out
+
+
+def _materialised(layer: LazyQwenGDN, spec_idx: torch.Tensor, acc: list[int]) -> torch.Tensor:
+    """The state of each row's last accepted token, in vLLM form (lazy rows committed on a copy)."""
+    st: LazyGdnState = copy.deepcopy(layer.hh_state)
+    acc_t = torch.tensor(acc, dtype=torch.int32)
+    if not st.eager:
+        st.commit_rows(spec_idx, acc_t, layer.A_log, layer.dt_bias)
+    cols = spec_idx.gather(1, (acc_t.long() - 1).unsqueeze(1)).squeeze(1).long()
+    return st.pool[cols].clone()
+
+
+# Rows are requests with windows of 1 + NUM_SPEC slots; each step: tokens per row, and how many
+# of the previous step's tokens were accepted (vLLM's num_accepted_tokens; 1 after a prefill).
+WINDOWS = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], dtype=torch.int32)
+STEPS = [
+    ([0, 1, 2], [4, 4, 4], [1, 1, 1]),  # first verify step after prefill: uniform, full drafts
+    ([0, 1, 2], [4, 2, 1], [4, 1, 2]),  # all / none / some accepted; ragged next (1 = no draft)
+    ([0, 2], [3, 1], [2, 1]),  # row 1 sits out this step (token budget)
+    ([0, 1, 2], [4, 4, 2], [3, 2, 1]),  # row 1 back: its log is in the half this step overwrites
+    ([0, 1, 2], [1, 1, 1], [4, 4, 2]),  # nobody drafted: T = 1 rows in a width-4 window
+    ([2, 0, 1], [4, 3, 4], [1, 1, 1]),  # rows permuted in the batch
+]
+
+
+# "triton": the real kernel through Triton's interpreter (minutes on CPU); "torch": the CPU engines'
+# stand-in with the same contract.
+KERNELS = [pytest.param("triton", marks=pytest.mark.kernels), "torch"]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_spec_branch_lazy_equals_eager_bit_for_bit(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYPERHARNESS_GDN_KERNEL", kernel)
+    weights, conv, ssm = _pools(seed=3)
+    lazy, eager = _layer(False, weights, conv, ssm), _layer(True, weights, conv, ssm)
+    g = torch.Generator().manual_seed(5)
+    for rows, lens, acc in STEPS:
+        spec_idx = WINDOWS[rows]
+        md = _metadata(spec_idx, lens, acc)
+        n = sum(lens)
+        x = torch.randn(n, DIM, generator=g).to(DT)
+        b, a = torch.randn(n, HV, generator=g).to(DT), torch.randn(n, HV, generator=g).to(DT)
+        before = _materialised(lazy, spec_idx, acc) if lazy.hh_state is not None else None
+        if before is not None:
+            assert torch.equal(before, _materialised(eager, spec_idx, acc))
+        o_lazy, o_eager = _step(lazy, md, x, b, a), _step(eager, md, x, b, a)
+        assert torch.equal(o_lazy, o_eager), (rows, lens, acc)
+        assert o_lazy.abs().sum() > 0
+        assert torch.equal(lazy.kv_cache[0], eager.kv_cache[0])
+    # After the last step: every accepted count's state agrees, and lazy wrote only column 0.
+    spec_idx = WINDOWS
+    for acc in ([1, 1, 1], [2, 3, 4], [3, 4, 1]):  # last step: 3, 4, 4 tokens
+        assert torch.equal(_materialised(lazy, spec_idx, acc), _materialised(eager, spec_idx, acc))
+    assert lazy.hh_lazy_steps == eager.hh_lazy_steps == len(STEPS)
+    assert type(lazy.hh_state.k).__name__ == ("module" if kernel == "triton" else "type")
+    spare = WINDOWS[:, 1:].flatten().long()
+    assert torch.equal(lazy.kv_cache[1][spare], ssm[spare]), "the lazy path wrote a per-token state"
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_commit_for_upstream_leaves_vllm_form(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixed step after lazy steps: the spec rows are committed to column num_accepted - 1 (what
+    vLLM's own path reads), non-spec slots forget their logs, then upstream runs."""
+    monkeypatch.setenv("HYPERHARNESS_GDN_KERNEL", kernel)
+    weights, conv, ssm = _pools(seed=4)
+    lazy, eager = _layer(False, weights, conv, ssm), _layer(True, weights, conv, ssm)
+    g = torch.Generator().manual_seed(6)
+    for rows, lens, acc in STEPS[:2]:
+        md = _metadata(WINDOWS[rows], lens, acc)
+        n = sum(lens)
+        x = torch.randn(n, DIM, generator=g).to(DT)
+        b, a = torch.randn(n, HV, generator=g).to(DT), torch.randn(n, HV, generator=g).to(DT)
+        _step(lazy, md, x, b, a), _step(eager, md, x, b, a)
+    acc = [3, 1]
+    mixed = GDNAttentionMetadata(
+        num_prefills=1, num_prefill_tokens=5, num_decodes=0, num_decode_tokens=0,
+        num_spec_decodes=2, num_spec_decode_tokens=8, num_actual_tokens=13,
+        spec_state_indices_tensor=WINDOWS[:2], spec_sequence_masks=torch.tensor([True, True, False]),
+        num_accepted_tokens=torch.tensor(acc, dtype=torch.int32),
+        non_spec_state_indices_tensor=torch.tensor([8], dtype=torch.int32),
+    )
+    calls: list[str] = []
+    for layer in (lazy, eager):
+        layer._hh_metadata = lambda: mixed  # type: ignore[method-assign]
+        layer.hh_core(None, None, None, None, upstream=lambda: calls.append("upstream"))  # type: ignore[arg-type]
+    assert calls == ["upstream", "upstream"]
+    cols = WINDOWS[:2].gather(1, (torch.tensor(acc) - 1).unsqueeze(1)).squeeze(1).long()
+    assert torch.equal(lazy.kv_cache[1][cols], eager.kv_cache[1][cols])
+    assert not lazy.hh_state.lazy[[0, 4, 8]].any()
+    # The next pure spec step enters from vLLM form (row 0 reads column 2) and still matches.
+    rows, lens = [0, 1], [4, 4]
+    md = _metadata(WINDOWS[rows], lens, acc)
+    x = torch.randn(8, DIM, generator=g).to(DT)
+    b, a = torch.randn(8, HV, generator=g).to(DT), torch.randn(8, HV, generator=g).to(DT)
+    assert torch.equal(_step(lazy, md, x, b, a), _step(eager, md, x, b, a))
+
+
+def test_spec_conv_update_matches_a_direct_convolution() -> None:
+    g = torch.Generator().manual_seed(1)
+    dim, state_len = 8, WIDTH - 1 + NUM_SPEC
+    buf = torch.randn(3, dim, state_len, generator=g)
+    w = torch.randn(dim, WIDTH, generator=g)
+    x = torch.randn(2, 4, dim, generator=g)
+    acc, ntok = torch.tensor([3, 1]), torch.tensor([2, 4])
+    before = buf.clone()
+    out = spec_conv_update(x, buf, w, None, False, torch.tensor([2, 0]), acc, ntok)
+    for r, (slot, off) in enumerate(((2, 2), (0, 0))):
+        seq = torch.cat([before[slot, :, off : off + WIDTH - 1], x[r].T], dim=1)
+        ref = torch.stack([(seq[:, t : t + WIDTH] * w).sum(-1) for t in range(4)])
+        assert torch.allclose(out[r, : ntok[r]], ref[: ntok[r]], atol=1e-5)
+        # After accepting j tokens, the next window [j-1, j-1+3) is the 3 inputs before token j.
+        for j in range(1, int(ntok[r]) + 1):
+            assert torch.equal(buf[slot, :, j - 1 : j - 1 + WIDTH - 1], seq[:, j : j + WIDTH - 1])
+
+
+def test_torch_stand_in_agrees_with_the_triton_kernel() -> None:
+    """The CPU engines' stand-in and the Triton kernel (interpreter) compute the same step, up to
+    reduction order."""
+    import kernels.gdn_verify as tk
+    from backend.plugin.gdn_lazy import TorchGdnKernels
+
+    g = torch.Generator().manual_seed(9)
+    B, T = 2, 3
+    q, k = (torch.randn(B, T, H, K, generator=g).to(DT) for _ in range(2))
+    v = torch.randn(B, T, HV, V, generator=g).to(DT)
+    a, b = (torch.randn(B, T, HV, generator=g).to(DT) for _ in range(2))
+    A_log, dt_bias = torch.randn(HV, generator=g), torch.randn(HV, generator=g)
+    results = []
+    for impl in (tk, TorchGdnKernels):
+        state = (torch.randn(4, HV, K, V, generator=torch.Generator().manual_seed(2)) * 0.1).to(DT)
+        log = tk.gdn_log_empty(4, T, H, K, HV, V, DT, "cpu")
+        par = torch.zeros(1, dtype=torch.int32)
+        idx = torch.tensor([3, 1], dtype=torch.int32)
+        o1 = impl.fused_recurrent_gdn_verify(q, k, v, a, b, A_log, dt_bias, state, idx, log, par,
+                                             torch.zeros(B, dtype=torch.int32))
+        par ^= 1
+        o2 = impl.fused_recurrent_gdn_verify(q, k, v, a, b, A_log, dt_bias, state, idx, log, par,
+                                             torch.tensor([2, 3], dtype=torch.int32))
+        results.append((o1.float(), o2.float(), state.float(), log.float()))
+    for x, y in zip(*results, strict=True):
+        assert torch.allclose(x, y, atol=2e-2, rtol=2e-2), (x - y).abs().max()
+
+
+def test_router_sends_every_pure_spec_batch_of_128_dim_heads() -> None:
+    batch = dict(num_spec_rows=3, num_rows=3, tokens_per_row=NUM_SPEC + 1, key_dim=128, value_dim=128,
+                 state_dtype="bfloat16", log_capacity=NUM_SPEC + 1)
+    assert gdn.route_to_lazy_commit(gdn.GdnBatch(**batch))  # type: ignore[arg-type]
+    assert not gdn.route_to_lazy_commit(gdn.GdnBatch(**{**batch, "num_rows": 4}))  # type: ignore[arg-type]
