@@ -7,9 +7,10 @@ when it changed, runs the T new tokens for their outputs, and writes the new log
 request that is 1 state read + <= 1 state write instead of vLLM's 1 read + T writes.
 
 All token loops are unrolled (T and the log capacity TL are constexpr) and the replay is
-predicated in groups of 4 tokens, so the loads of a group sit in one straight-line block that the
+predicated in groups of RG tokens, so the loads of a group sit in one straight-line block that the
 compiler hoists: the global-load latency is paid once per group, not once per token (vLLM's and
-fla's loops pay it per token).  Replay and new tokens go through the same ``_delta_step`` code, which is what
+fla's loops pay it per token); new tokens' inputs are prefetched PF tokens ahead.  Tiling knobs and
+their measured defaults: ``_default_config``.  Replay and new tokens go through the same ``_delta_step`` code, which is what
 makes lazy and eager states bit-identical.
 
 The log is double buffered, ``log[slot, parity]``: step n reads half ``parity`` and writes half

@@ -7,10 +7,11 @@ e-n+1 and the draft begins at e+1 whatever n is, so the packed score (min(m, max
 maximised over e gives the longest n and then the most recent position, exactly the serial rule.
 Most positions fail the first compare, so chunks without a single last-token hit skip the rest.
 
-Programs fold their chunk maxima into a per-request int64 with ``atomic_max``; the last program of a
-request (an acq_rel ``atomic_add`` ticket) reads the result, resets the two workspace words to zero
-and gathers the draft, so one graph-capturable launch does the whole lookup.  The grid depends on the
-history capacity only; programs stride over the actual length.
+Programs fold their block maxima into a per-request int64 with a relaxed ``atomic_max``; the last
+program of a request (an acq_rel ``atomic_add`` ticket, which also orders the max) reads the result
+with a plain load, resets the two workspace words with plain stores and gathers the draft, so one
+graph-capturable launch does the whole lookup.  The grid depends on the history capacity only: one
+block per program up to a program cap, past it programs stride over the actual length.
 """
 
 from __future__ import annotations
