@@ -191,6 +191,20 @@ class Problem:
 
         return run
 
+    def cuda_variant(self, **kw: Any) -> Callable[[], object]:
+        """The wgmma CUDA kernel with launcher options (sched, pdl, num_splits, combine)."""
+        from kernels.verify_attention.cuda import verify_attention_cuda
+
+        p = self.pool
+
+        def run() -> object:
+            return verify_attention_cuda(
+                self.q, p.k, self.out, self.cu_q, self.t, self.seq_lens, self.ctx,
+                1 / math.sqrt(p.head_size), self.window, self.block_table, kernel="wgmma", **kw,
+            )  # fmt: skip
+
+        return run
+
     def triton(self) -> Callable[[], object]:
         """The Triton kernel (the CPU/CI path and the fallback), default launch."""
         p = self.pool
@@ -363,6 +377,129 @@ def summary(results: list[dict]) -> None:
               f"{o['pct_copy']:6.1f}% {cell(m, 'pct_copy', '5.1f'):>6} {ratio(m):>8} {ratio(v):>9} {errs}")  # fmt: skip
 
 
+def before_call(prob: Problem, source: str) -> Callable[[], object]:
+    """The wgmma kernel of commit 1344eca (its .cu text in ``source``), launched as 1344eca's
+    launcher did: static splits (same rule), separate combine launch."""
+    from kernels.verify_attention import cuda as vc
+
+    p = prob.pool
+    d, hkv = p.head_size, p.k.shape[2]
+    group = prob.q.shape[1] // hkv
+    block_q, n_qt, _, n8 = vc._tile(group, prob.t)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = vc.num_splits_for(prob.batch, hkv, n_qt, prob.ctx, sms)
+    stages = vc.pick_stages(d, n8, vc.smem_bytes_wg)
+    smem = vc.smem_bytes_wg(d, n8, stages) - 32  # 1344eca had no tile index ring
+    split_k = vc._compiled(f"verify_attn_split_wg<{d}, {n8}, {stages}, true>", smem, source)
+    comb_k = vc._compiled(f"verify_attn_combine<{d}, true>", 0, source)
+    q, out, k = prob.q, prob.out, p.k
+    n, hq = q.shape[0], q.shape[1]
+    part_acc = torch.empty(n, hq, splits, d, dtype=torch.float32, device="cuda")
+    part_ml = torch.empty(n, hq, splits, 2, dtype=torch.float32, device="cuda")
+
+    def run() -> object:
+        split_k(
+            grid=(hkv * n_qt * splits, prob.batch, 1), block=(128, 1, 1),
+            args=[
+                q, k, prob.block_table, prob.seq_lens, prob.cu_q, out, part_acc, part_ml,
+                float(d**-0.5 * vc.LOG2E), 0, splits, n_qt, block_q, group, k.shape[1], hkv,
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1),
+                k.stride(2), prob.block_table.stride(0),
+            ],
+            shared_mem=smem,
+        )  # fmt: skip
+        comb_k(grid=(n * hq, 1, 1), block=(256, 1, 1),
+               args=[out, part_acc, part_ml, splits, hq, out.stride(0), out.stride(1)])  # fmt: skip
+        return out
+
+    return run
+
+
+def trace_stats(prob: Problem, sched: str, flush: torch.Tensor) -> str:
+    """One eager launch with per-CTA %globaltimer stamps: where the split kernel's time goes."""
+    from kernels.verify_attention import cuda as vc
+
+    p = prob.pool
+    hkv = p.k.shape[2]
+    _, n_qt, _, _ = vc._tile(prob.q.shape[1] // hkv, prob.t)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = vc.num_splits_for(prob.batch, hkv, n_qt, prob.ctx, sms)
+    tr = torch.zeros(hkv * n_qt * splits * prob.batch, 8, dtype=torch.int64, device="cuda")
+
+    def call(trace: torch.Tensor | None) -> None:
+        vc.verify_attention_cuda(prob.q, p.k, prob.out, prob.cu_q, prob.t, prob.seq_lens, prob.ctx,
+                                 p.head_size**-0.5, 0, prob.block_table, sched=sched, pdl=False,
+                                 trace=trace)  # fmt: skip
+
+    call(tr)
+    torch.cuda.synchronize()
+    flush_l2(flush)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    call(tr)
+    e1.record()
+    torch.cuda.synchronize()
+    t = tr.cpu().double()
+    base = t[:, 0].min()
+    st, first, loop, end = [(t[:, i] - base) / 1e3 for i in range(4)]  # µs after the first CTA
+    tiles = t[:, 4]
+    q = lambda x: f"{x.min():.1f}/{x.median():.1f}/{x.max():.1f}"  # noqa: E731
+    return (
+        f"trace {sched:>6}: call {e0.elapsed_time(e1) * 1e3:.1f} us (eager, incl. combine); "
+        f"CTA start min/med/max {q(st)}; first tile landed {q(first)}; loop end {q(loop)}; "
+        f"CTA end {q(end)}; first-tile wait per CTA med {(first - st).median():.1f}; "
+        f"tiles/CTA {int(tiles.min())}..{int(tiles.max())}"
+    )
+
+
+def fixed_cost(flush: torch.Tensor, bw: float, results: list, before_src: str | None) -> None:
+    """Issue 6's fixed per-call cost at 100K: scheduling / combine variants side by side."""
+    pool = make_pool(4 * 100_000 + 64, 16, HKV, D)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for t, b in ((1, 1), (8, 1), (1, 4), (8, 4)):
+        prob = Problem(pool, b, 100_000, t, HQ)
+        label = f"ctx=100000 T={t} b={b}"
+        variants: dict[str, Callable[[], object]] = {}
+        if before_src:
+            variants["before-1344eca"] = before_call(prob, before_src)
+        base_kw = {"sched": "static", "pdl": False}
+        for name, kw in (
+            ("static", base_kw), ("static-nocombine", {**base_kw, "combine": False}),
+            ("pdl", {"sched": "static", "pdl": True}), ("dyn", {"sched": "dyn", "pdl": False}),
+            ("dyn+pdl", {"sched": "dyn", "pdl": True}),
+            *[(f"dyn-S{s}", {"sched": "dyn", "pdl": False, "num_splits": s}) for s in (33, 99, 132)],
+            *[(f"static-S{s}", {**base_kw, "num_splits": s}) for s in (33, 99, 132)],
+        ):  # fmt: skip
+            variants[name] = prob.cuda_variant(**kw)
+        us: dict[str, float] = {}
+        for name, fn in variants.items():
+            try:
+                fn()
+                err = prob.error() if name != "static-nocombine" else float("nan")
+                us[name] = time_graph(fn, flush)
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                print(f"{label} {name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                continue
+            r = row(f"{label} {name}", us[name], prob.int8_bytes, bw, None, err)
+            results.append(r)
+            print(fmt(r), flush=True)
+        ref = us.get("before-1344eca", us.get("static", 1.0))
+        print(f"  {label}: " + ", ".join(
+            f"{k} {v:.1f} ({100 * prob.int8_bytes / v / 1e3 / bw:.1f}%, {ref / v:.2f}x)" for k, v in us.items()
+        ), flush=True)  # fmt: skip
+        if b == 1:
+            for sched in ("static", "dyn"):
+                try:
+                    line = trace_stats(prob, sched, flush)
+                except Exception as exc:  # noqa: BLE001
+                    line = f"trace {sched}: {type(exc).__name__}: {str(exc)[:120]}"
+                results.append({"case": f"{label} {line}"})
+                print("  " + line, flush=True)
+        del prob
+    del pool
+    torch.cuda.empty_cache()
+
+
 def triton_next_pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
@@ -386,6 +523,9 @@ def main() -> None:
     ap.add_argument("--no-sdpa", action="store_true", help="skip torch SDPA (bf16 copy of the cache)")
     ap.add_argument("--no-mma", action="store_true", help="skip the mma.sync kernel (ea506d7)")
     ap.add_argument("--profile-one", type=int, default=0, help="one launch at 100K, T=this")
+    ap.add_argument("--fixed-cost", action="store_true", help="scheduling/combine variants at 100K")
+    ap.add_argument("--fixed-cost-only", action="store_true", help="stop after --fixed-cost")
+    ap.add_argument("--before-src", default=None, help="the .cu of commit 1344eca, timed as 'before'")
     args = ap.parse_args()
     if args.profile_one:
         profile_one(args.profile_one)
@@ -400,6 +540,14 @@ def main() -> None:
     vllm = None if args.no_vllm else load_vllm_unified_attention()
     if vllm is None and not args.no_vllm:
         print("vLLM reference files not found: set VLLM_REF_DIR (see module docstring)")
+
+    if args.fixed_cost or args.fixed_cost_only:
+        before = Path(args.before_src).read_text() if args.before_src else None
+        fixed_cost(flush, bw, results, before)
+        if args.fixed_cost_only:
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=1))
+            return
 
     contexts = [100_000] if args.quick else [8_192, 32_768, 100_000, 200_000]
     pool = make_pool(4 * max(contexts) + 64, 16, HKV, D)

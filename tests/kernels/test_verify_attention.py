@@ -160,13 +160,61 @@ CUDA_CASES = [
 
 
 @gpu_only
+@pytest.mark.parametrize("sched", ["dyn", "static"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), CUDA_CASES)
-def test_cuda_matches_reference(seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, monkeypatch):
+def test_cuda_matches_reference(seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, sched, monkeypatch):
+    """The wgmma kernel with tiles from the per-unit counter (dyn) and with static splits."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the CUDA kernel runs on sm_90")
     monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")  # an error if it would fall back
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_SCHED", sched)
     run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
+
+
+PDL_CASES = [c for c in CUDA_CASES if c.id in ("B3-T9,16,1-S3", "D128-w2048", "empty-splits-S40")]
+
+
+@gpu_only
+@pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), PDL_CASES)
+def test_cuda_pdl_combine(seq_lens, q_lens, hq, hkv, d, page, window, splits, monkeypatch):
+    """The combine launched with programmatic dependent launch (HH_VERIFY_ATTENTION_PDL=1)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the CUDA kernel runs on sm_90")
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_PDL", "1")
+    run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits)
+
+
+@gpu_only
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_cuda_dyn_graph_replay(pdl, monkeypatch):
+    """Tile counters are back at zero after every launch, so CUDA-graph replays stay correct."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the CUDA kernel runs on sm_90")
+    from kernels.verify_attention import cuda as va_cuda
+
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")
+    cache, bt, cu, seq, q = build_problem([3001, 700, 64], [8, 1, 3], 24, 4, 256, 16, torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    ref = naive_verify_attention(q, cache, cu, seq, bt)
+
+    def call():
+        va_cuda.verify_attention_cuda(q, cache.k, out, cu, 8, seq, 3001, 256**-0.5, 0, bt,
+                                      num_splits=7, sched="dyn", pdl=pdl)  # fmt: skip
+
+    call()  # eager: compiles, allocates the counters
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < TOL[torch.bfloat16], err
+        assert int(va_cuda._COUNTERS[torch.cuda.current_device()].abs().sum()) == 0
 
 
 # The mma.sync kernel (ea506d7's; HH_VERIFY_ATTENTION_MMA=mma) stays a selectable fallback.
@@ -187,6 +235,7 @@ def test_cuda_ring_depth():
     """Two CTAs per SM: 2 stages at 48 query rows, 3 at one n8 tile of rows (D = 256)."""
     from kernels.verify_attention.cuda import pick_stages, smem_bytes_wg
 
+    assert smem_bytes_wg(256, 6, 2) == 99_296  # ring, Q, P, maxima / sums, tile index ring
     assert pick_stages(256, 6, smem_bytes_wg) == 2
     assert pick_stages(256, 1, smem_bytes_wg) == 3
     assert pick_stages(128, 4, smem_bytes_wg) == 4

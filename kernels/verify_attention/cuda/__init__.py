@@ -42,9 +42,9 @@ def smem_bytes(d: int, mt: int, stages: int) -> int:
 
 
 def smem_bytes_wg(d: int, n8: int, stages: int) -> int:
-    """Dynamic shared memory of one verify_attn_split_wg CTA (ring, Q, P, maxima / sums)."""
+    """Dynamic shared memory of one verify_attn_split_wg CTA (ring, Q, P, maxima / sums, idx)."""
     rows = 8 * n8
-    return stages * BN * (2 * d + 16) + rows * 2 * d + rows * 2 * BN + 5 * rows * 4
+    return stages * BN * (2 * d + 16) + rows * 2 * d + rows * 2 * BN + 5 * rows * 4 + 8 * 4
 
 
 def pick_stages(d: int, tiles: int, smem=smem_bytes) -> int:
@@ -64,16 +64,30 @@ def default_kernel() -> str:
     return kind
 
 
+def default_sched() -> str:
+    """HH_VERIFY_ATTENTION_SCHED: dyn (default; tiles from a per-unit counter) or static splits."""
+    kind = os.environ.get("HH_VERIFY_ATTENTION_SCHED", "dyn").lower()
+    if kind not in ("dyn", "static"):
+        raise ValueError(f"HH_VERIFY_ATTENTION_SCHED={kind!r}: dyn or static")
+    return kind
+
+
+def default_pdl() -> bool:
+    """HH_VERIFY_ATTENTION_PDL=1: launch the combine with programmatic dependent launch."""
+    return os.environ.get("HH_VERIFY_ATTENTION_PDL", "0") == "1"
+
+
 @functools.lru_cache(maxsize=None)
 def _source() -> str:
     return SOURCE.read_text()
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(name: str, smem: int) -> Any:
+def _compiled(name: str, smem: int, source: str | None = None) -> Any:
     # sm_90a: wgmma exists only in the arch-specific target (supported() admits sm_90 only).
+    # ``source``: another version of the .cu (bench.py times the kernel of an earlier commit).
     kernel = torch.cuda._compile_kernel(
-        _source(), name, compute_capability="90a", nvcc_options=["-std=c++17"]
+        source or _source(), name, compute_capability="90a", nvcc_options=["-std=c++17"]
     )
     if smem:
         if hasattr(kernel, "set_shared_memory_config"):
@@ -83,6 +97,104 @@ def _compiled(name: str, smem: int) -> Any:
         # Prefer the largest shared-memory carve-out so two CTAs fit per SM.
         _set_attr(kernel.func, 9, 100)  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
     return kernel
+
+
+def precompile(jobs: list[tuple], workers: int = 16) -> int:
+    """Compile ``_compiled`` variants [(name, smem[, source])] in threads (NVRTC and the driver's
+    PTX load release the GIL): a process that needs many variants (tests, bench) waits ~once.
+    Returns how many compiled; a failure is left for the real call to raise."""
+    import concurrent.futures
+
+    dev = torch.cuda.current_device()
+
+    def one(job: tuple) -> bool:
+        torch.cuda.set_device(dev)  # the primary context, current in this thread
+        try:
+            _compiled(*job)
+            return True
+        except Exception:  # noqa: BLE001 - the launch compiles again and raises
+            return False
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+        return sum(pool.map(one, list(dict.fromkeys(jobs))))
+
+
+def split_variant(d: int, n8: int, bf16: bool, sched: str, stages: int | None = None) -> tuple[str, int]:
+    """(kernel name, dynamic shared memory) of the wgmma split kernel for these parameters."""
+    stages = stages or pick_stages(d, n8, smem_bytes_wg)
+    dyn = "true" if sched == "dyn" else "false"
+    name = f"verify_attn_split_wg<{d}, {n8}, {stages}, {'true' if bf16 else 'false'}, {dyn}>"
+    return name, smem_bytes_wg(d, n8, stages)
+
+
+# Per-device tile counters of the DYN kernel: int32 per (request, query tile, KV head), zero
+# between launches (each launch's last CTA per unit resets its own). Allocated on the first
+# (eager) call and grown only outside a CUDA-graph capture; launches using it must be ordered on
+# one stream (two concurrent launches on different streams would share counters).
+_COUNTERS: dict[int, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    buf = _COUNTERS.get(idx)
+    if buf is None or buf.numel() < n:
+        if buf is not None and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("verify_attention: tile counters must grow before graph capture")
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[idx] = buf
+    return buf
+
+
+class _LaunchAttr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+        ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint),
+    ]  # fmt: skip
+
+
+def _launch_pdl(kernel: Any, grid: tuple, block: tuple, args: list, shared_mem: int = 0) -> None:
+    """cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (6) = 1 on
+    torch's current stream: the kernel may start before the previous one on the stream ends (it
+    must call griddepcontrol.wait before reading that kernel's output). Arguments are marshalled
+    as torch's launcher does (tensor -> pointer, int -> int32, float -> double)."""
+    keep, ptrs = [], []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            c = ctypes.c_void_p(a.data_ptr())
+        elif isinstance(a, int):
+            c = ctypes.c_int(a)
+        elif isinstance(a, float):
+            c = ctypes.c_double(a)
+        else:
+            raise TypeError(f"unsupported argument {type(a)}")
+        keep.append(c)
+        ptrs.append(ctypes.cast(ctypes.byref(c), ctypes.c_void_p))
+    params = (ctypes.c_void_p * len(ptrs))(*ptrs)
+    attr = _LaunchAttr()
+    attr.id = 6
+    ctypes.memmove(ctypes.addressof(attr) + _LaunchAttr.value.offset, ctypes.byref(ctypes.c_int(1)), 4)
+    cfg = _LaunchConfig()
+    cfg.grid[:] = list(grid)
+    cfg.block[:] = list(block)
+    cfg.shared = shared_mem
+    cfg.stream = torch.cuda.current_stream().cuda_stream
+    cfg.attrs = ctypes.pointer(attr)
+    cfg.num_attrs = 1
+    libcuda = _libcuda()
+    err = libcuda.cuLaunchKernelEx(ctypes.byref(cfg), kernel.func, params, None)
+    if err:
+        raise RuntimeError(f"cuLaunchKernelEx failed: CUresult {err}")
+
+
+@functools.lru_cache(maxsize=None)
+def _libcuda() -> Any:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return lib
 
 
 def _set_attr(func: Any, attr: int, value: int) -> None:
@@ -169,12 +281,17 @@ def verify_attention_cuda(
     stages: int | None = None,
     combine: bool = True,
     kernel: str | None = None,
+    sched: str | None = None,
+    pdl: bool | None = None,
+    trace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch; the contract is ``kernels.verify_attention.verify_attention``'s (window = W or 0).
 
     ``stages`` overrides the ring depth and ``combine=False`` skips the merge of the partials
     (out is then not written): both for timing experiments only. ``kernel``: "wgmma" or "mma"
-    (None: ``default_kernel()``)."""
+    (None: ``default_kernel()``). wgmma only: ``sched`` "dyn" / "static" (None:
+    ``default_sched()``), ``pdl`` launches the combine with programmatic dependent launch (None:
+    ``default_pdl()``), ``trace`` an int64 [CTAs, 8] tensor for per-CTA %globaltimer stamps."""
     num_tokens, num_q_heads, d = q.shape
     num_seqs = seqused_k.shape[0]
     hkv = k.shape[2]
@@ -185,10 +302,12 @@ def verify_attention_cuda(
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         num_splits = num_splits_for(num_seqs, hkv, n_qt, keys, sms)
     bf16 = "true" if q.dtype == torch.bfloat16 else "false"
-    if (kernel or default_kernel()) == "wgmma":
-        stages = stages or pick_stages(d, n8, smem_bytes_wg)
-        smem = smem_bytes_wg(d, n8, stages)
-        split_kernel = _compiled(f"verify_attn_split_wg<{d}, {n8}, {stages}, {bf16}>", smem)
+    wgmma = (kernel or default_kernel()) == "wgmma"
+    sched = (sched or default_sched()) if num_splits > 1 else "static"
+    pdl = default_pdl() if pdl is None else pdl
+    if wgmma:
+        split_kernel = _compiled(*split_variant(d, n8, bf16 == "true", sched, stages))
+        smem = smem_bytes_wg(d, n8, stages or pick_stages(d, n8, smem_bytes_wg))
     else:
         stages = stages or pick_stages(d, mt)
         smem = smem_bytes(d, mt, stages)
@@ -206,14 +325,18 @@ def verify_attention_cuda(
             float(softmax_scale * LOG2E), int(window), int(num_splits), n_qt, block_q, group,
             k.shape[1], hkv, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k.stride(0), k.stride(1), k.stride(2), block_table.stride(0),
-        ],
+        ] + ([
+            _counters(q.device, num_seqs * n_qt * hkv) if sched == "dyn" else out,
+            trace if trace is not None else out, int(trace is not None),
+        ] if wgmma else []),
         shared_mem=smem,
     )  # fmt: skip
     if num_splits > 1 and num_tokens and combine:
         combine = _compiled(f"verify_attn_combine<{d}, {bf16}>", 0)
-        combine(
-            grid=(num_tokens * num_q_heads, 1, 1),
-            block=(256, 1, 1),
-            args=[out, part_acc, part_ml, int(num_splits), num_q_heads, out.stride(0), out.stride(1)],
-        )
+        grid = (num_tokens * num_q_heads, 1, 1)
+        args = [out, part_acc, part_ml, int(num_splits), num_q_heads, out.stride(0), out.stride(1)]
+        if pdl:
+            _launch_pdl(combine, grid, (256, 1, 1), args)
+        else:
+            combine(grid=grid, block=(256, 1, 1), args=args)
     return out

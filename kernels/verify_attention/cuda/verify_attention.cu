@@ -145,6 +145,20 @@ DI float to_f32(unsigned short h) {
 DI float shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 DI u32 shfl_idx(u32 v, int src) { return __shfl_sync(0xffffffffu, v, src); }
 
+// Programmatic dependent launch (sm_90): no-ops when the grid was launched without it.
+DI void griddep_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+DI void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+DI u64 globaltimer() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+DI u32 smid() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(r));
+  return r;
+}
+
 }  // namespace va
 
 // Threads per CTA and keys per tile (shared with the launcher in __init__.py).
@@ -557,6 +571,9 @@ __global__ void __launch_bounds__(256) verify_attn_combine(
     const float* __restrict__ part_ml,    // [N, Hq, S, 2]
     int num_splits, int Hq, int stride_o_tok, int stride_o_head) {
   using namespace va;
+  // Launched with programmatic dependent launch (HH_VERIFY_ATTENTION_PDL), this CTA may start
+  // while the split kernel still runs: wait for its completion (and its partials) first.
+  griddep_wait();
   constexpr int L = D / 4;        // threads per split group (4 dims each)
   constexpr int SG = 256 / L;     // split groups
   __shared__ float red[8];
@@ -718,8 +735,9 @@ DI void wgmma_rs<6>(float (&d)[6][4], const u32 (&a)[4], u64 desc) {
 }
 }  // namespace va
 
-// Template parameters as verify_attn_split's, minus MT (query rows <= 8 N8, padded to 8 N8).
-template <int D, int N8, int STAGES, bool BF16>
+// Template parameters as verify_attn_split's, minus MT (query rows <= 8 N8, padded to 8 N8);
+// DYN: tiles handed out by a per-unit counter (see "Dynamic tiles" below), else static splits.
+template <int D, int N8, int STAGES, bool BF16, bool DYN>
 __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
     const unsigned short* __restrict__ q,  // [N, Hq, D]
     const signed char* __restrict__ kv,    // the K view's base: record of (block 0, slot 0, head 0)
@@ -733,8 +751,13 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
     int window,                            // key k visible from position p iff p - k < window; 0: none
     int num_splits, int num_q_tiles, int block_q, int G, int page, int num_kv_heads,
     int stride_q_tok, int stride_q_head, int stride_o_tok, int stride_o_head,
-    int stride_kv_blk, int stride_kv_slot, int stride_kv_head, int stride_bt) {
+    int stride_kv_blk, int stride_kv_slot, int stride_kv_head, int stride_bt,
+    int* __restrict__ tile_ctr,            // DYN: [B, num_q_tiles, num_kv_heads], zero between calls
+    u64* __restrict__ trace_buf,           // [CTAs][8] %globaltimer stamps when trace_on (bench.py)
+    int trace_on) {
   using namespace va;
+  u64* const trace = trace_on ? trace_buf : nullptr;
+  const u64 t_start = trace ? globaltimer() : 0;
   constexpr int BN = VA_BN;
   constexpr int NW = VA_THREADS / 32;  // one warpgroup
   constexpr int RP = 2 * D + 16;       // shared row pitch of one key's window (bytes)
@@ -753,6 +776,7 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
   const u32 p_s = q_s + R * 2 * D;          // [R / 8][BN / 8] core matrices
   float* red_s = reinterpret_cast<float*>(wsmem + STAGES * BN * RP + R * 2 * D + R * 2 * BN);  // [NW][R]
   float* m_s = red_s + NW * R;                                                                // [R]
+  int* idx_s = reinterpret_cast<int*>(m_s + R);  // DYN: tile index ring [8]
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
 
@@ -773,27 +797,50 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
   const int k_hi = ctx + q_hi;
   const int k_lo = window > 0 ? max(ctx + q_lo - window + 1, 0) : 0;
   const int span = max(k_hi - k_lo, 0);
+  // Static: split s owns keys [n_start, n_end), its tiles in order. DYN: every split of the unit
+  // (request, query tile, KV head) covers [k_lo, k_hi) and takes 64-key tiles by index.
   const int per = ((span + num_splits - 1) / num_splits + BN - 1) / BN * BN;
-  const int n_start = k_lo + split * per;
-  const int n_end = min(n_start + per, k_hi);
-  const int ntiles = n_end > n_start ? (n_end - n_start + BN - 1) / BN : 0;
+  const int n_start = DYN ? k_lo : k_lo + split * per;
+  const int n_end = DYN ? k_hi : min(n_start + per, k_hi);
   const int Hq = num_kv_heads * G;
   const int shift = (int)((reinterpret_cast<u64>(kv) + (u64)h * (u64)stride_kv_head) & 15u);
 
-  // ---- K/V tile loads: as in verify_attn_split.
-  auto lookup = [&](int tile, int& blk, int& slot) {
-    const int key = n_start + tile * BN + warp * 16 + (lane & 15);
+  // ---- Dynamic tiles (DYN). With one wave of equal static splits the kernel ends with the
+  // slowest CTA (the DRAM share of the CTAs is not equal); here each CTA takes tile indices of its
+  // unit from an atomic counter, so CTAs that stream faster take more tiles and all end within
+  // about one tile of each other. Tile t of this CTA has index split + t * num_splits for
+  // t <= STAGES (no atomic before the first copies), then (STAGES + 1) * num_splits + the counter.
+  // Thread 0 takes the counter two tiles ahead of the lookup (the atomic's latency is hidden by
+  // one tile of work): in iteration it it publishes the index of tile it + STAGES + 1 in idx_s
+  // (read after the next barrier) and takes the one of tile it + STAGES + 2 while the last was
+  // valid, so every CTA takes exactly one failing index; the CTA that takes the unit's last failing
+  // index resets the counter to 0, so the next launch (a CUDA-graph replay) starts from 0.
+  // Indices only grow along a CTA's sequence, so the first invalid tile ends its loop.
+  int* const ctr = tile_ctr + ((i64)b * num_q_tiles + qt) * num_kv_heads + h;
+  const int total = (span + BN - 1) / BN;           // tiles of the unit
+  const int first_dyn = (STAGES + 1) * num_splits;  // index of the first counter-given tile
+  int grab = 0;                                     // thread 0: last counter value taken
+  auto tile_kb = [&](int t) -> int {               // first key of tile t (>= n_end: none)
+    if (!DYN) return n_start + t * BN;
+    const int idx = t <= STAGES ? split + t * num_splits : idx_s[t & 7];
+    return idx < total ? k_lo + idx * BN : n_end;
+  };
+  if (DYN && tid == 0) grab = atomicAdd(ctr, 1);  // index of tile STAGES + 1
+
+  // ---- K/V tile loads: as in verify_attn_split (kb0 = the tile's first key, < n_end).
+  auto lookup = [&](int kb0, int& blk, int& slot) {
+    const int key = kb0 + warp * 16 + (lane & 15);
     blk = -1, slot = 0;
-    if (tile < ntiles && key < n_end) {
+    if (key < n_end) {
       const int lp = key / page;
       slot = key - lp * page;
       blk = block_table[(i64)b * stride_bt + lp];
     }
   };
-  auto issue = [&](int tile, int blk, int slot) {
+  auto issue = [&](int tile, int kb0, int blk, int slot) {
     constexpr int CK = D / 8;
     constexpr int KPR = 32 / CK;
-    const int kb = n_start + tile * BN + warp * 16;
+    const int kb = kb0 + warp * 16;
     u64 src = reinterpret_cast<u64>(kv);
     if (blk >= 0)
       src += (u64)((i64)blk * stride_kv_blk + (i64)slot * stride_kv_slot + (i64)h * stride_kv_head - shift);
@@ -815,11 +862,13 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
   int nblk, nslot;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    lookup(s, nblk, nslot);
-    if (s < ntiles) issue(s, nblk, nslot);
+    const int kb0 = tile_kb(s);
+    lookup(kb0, nblk, nslot);
+    if (kb0 < n_end) issue(s, kb0, nblk, nslot);
     cp_async_commit();
   }
-  lookup(STAGES - 1, nblk, nslot);
+  int next_kb = tile_kb(STAGES - 1);  // the tile looked up, copied in the next iteration
+  lookup(next_kb, nblk, nslot);
 
   // ---- Q -> shared memory, fp16, pre-scaled, d permuted within each 16-chunk as in
   // verify_attn_split (physical d = 16 s + 4 cc + e -> logical k = 16 s + 2 cc + e, e < 2, or
@@ -877,15 +926,25 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[t][j][i] = 0.f;
 
-  for (int it = 0; it < ntiles; ++it) {
+  int ntiles = 0;  // tiles done (trace)
+  for (int it = 0;; ++it) {
+    const int kb = tile_kb(it);  // idx_s of tile it was published >= 2 barriers ago
+    if (kb >= n_end) break;      // uniform over the CTA
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile `it` landed; every warp is done with tile it - 1 (and its P reads)
-    if (it + STAGES - 1 < ntiles) issue(it + STAGES - 1, nblk, nslot);
+    if (trace && it == 0 && tid == 0) trace[(blockIdx.y * gridDim.x + blockIdx.x) * 8 + 1] = globaltimer();
+    if (next_kb < n_end) issue(it + STAGES - 1, next_kb, nblk, nslot);
     cp_async_commit();
-    lookup(it + STAGES, nblk, nslot);
+    next_kb = tile_kb(it + STAGES);
+    lookup(next_kb, nblk, nslot);
+    if (DYN && tid == 0) {
+      const int idx = first_dyn + grab;  // tile it + STAGES + 1
+      idx_s[(it + STAGES + 1) & 7] = idx;
+      if (idx < total) grab = atomicAdd(ctr, 1);  // tile it + STAGES + 2
+    }
+    ++ntiles;
 
     const u32 st = kv_s + (it % STAGES) * (BN * RP);
-    const int kb = n_start + it * BN;
 
     // ---- S^T = K Q^T: s[j][2 hh + e] is key 16 w + g + 8 hh, query row 8 j + 2 c + e.
     float s[N8][4];
@@ -1018,6 +1077,13 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
     wg_wait<0>();  // P may be overwritten (after the next __syncthreads); acc readable
   }
   cp_async_wait<0>();
+  // The combine kernel, when launched with programmatic dependent launch, may start its CTAs
+  // from here on (it waits for this grid's completion and memory before reading the partials).
+  griddep_launch_dependents();
+  if (DYN && tid == 0 && grab == max(total - first_dyn, 0) + num_splits - 1)
+    atomicExch(ctr, 0);  // the unit's last (failing) counter value: reset for the next launch
+  u64* const tr = trace ? trace + (blockIdx.y * gridDim.x + blockIdx.x) * 8 : nullptr;
+  if (tr && tid == 0) tr[0] = t_start, tr[2] = globaltimer(), tr[4] = ntiles, tr[5] = smid();
 
   // ---- epilogue: row sums over the 8 lanes of one c and the warps; running max from warp 0
 #pragma unroll
@@ -1080,4 +1146,5 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
         }
       }
     }
+  if (tr && tid == 0) tr[3] = globaltimer();
 }
