@@ -81,6 +81,9 @@ def _v2_class() -> type:
             _check_agree(settings, self.num_speculative_steps)
             if self.enable_adaptive_verification:
                 raise ValueError("LABD does not feed adaptive verification's acceptance estimator; turn one off")
+            if self.vllm_config.parallel_config.pipeline_parallel_size > 1:
+                # PP masks batch rows with idx_mapping -1 (pp_utils); the fusion assumes real rows.
+                raise ValueError("LABD is not wired for pipeline parallelism")
             self.req_states = req_states
             self.labd = settings
             self.labd_stats = _LabdStats()

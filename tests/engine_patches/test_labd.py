@@ -212,6 +212,7 @@ def _v2_speculator(monkeypatch, drafts: torch.Tensor, k: int, top_k: int, V: int
     spec = cls.__new__(cls)  # __init__ would load a drafter config; the attributes it sets:
     spec.num_speculative_steps, spec.max_num_reqs, spec.device = k, max_reqs, torch.device("cpu")
     spec.enable_adaptive_verification = False
+    spec.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1))
     spec.draft_tokens = torch.zeros(max_reqs, k, dtype=torch.int64)
     spec.draft_logits = torch.full((max_reqs, k, V), float("-inf"))
     spec.candidate_sampler = CandidateSampler(max_reqs, k, top_k, spec.device)
