@@ -464,6 +464,7 @@ def fixed_cost(flush: torch.Tensor, bw: float, results: list, before_src: str | 
             variants["before-1344eca"] = before_call(prob, before_src)
         base_kw = {"sched": "static", "pdl": False}
         for name, kw in (
+            ("default", {}),
             ("static", base_kw), ("static-nocombine", {**base_kw, "combine": False}),
             ("pdl", {"sched": "static", "pdl": True}), ("dyn", {"sched": "dyn", "pdl": False}),
             ("dyn+pdl", {"sched": "dyn", "pdl": True}),

@@ -156,6 +156,7 @@ CUDA_CASES = [
     pytest.param([1000, 40], [40, 1], 24, 4, 256, 16, (-1, -1), 5, id="T40-qtiles-S5"),
     pytest.param([200, 90], [3, 2], 24, 4, 256, 16, (-1, -1), 40, id="empty-splits-S40"),
     pytest.param([4099], [5], 8, 4, 128, 16, (-1, -1), 2, id="G2-D128-S2"),
+    pytest.param([20000, 9000], [8, 1], 24, 4, 256, 16, (-1, -1), 150, id="S150-combine-2-batches"),
 ]  # fmt: skip
 
 

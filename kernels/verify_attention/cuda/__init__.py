@@ -64,12 +64,15 @@ def default_kernel() -> str:
     return kind
 
 
-def default_sched() -> str:
-    """HH_VERIFY_ATTENTION_SCHED: dyn (default; tiles from a per-unit counter) or static splits."""
-    kind = os.environ.get("HH_VERIFY_ATTENTION_SCHED", "dyn").lower()
-    if kind not in ("dyn", "static"):
-        raise ValueError(f"HH_VERIFY_ATTENTION_SCHED={kind!r}: dyn or static")
-    return kind
+def default_sched(n8: int) -> str:
+    """HH_VERIFY_ATTENTION_SCHED: auto (default), dyn (tiles from a per-unit counter) or static.
+
+    auto = dyn at one n8 tile of query rows (T=1: H200, 100K b1 74.8 vs 76.9 µs, the CTAs' end
+    spread 5 -> 3 µs), static above (T=8: dyn was 104.4 vs 100.7 µs; NOTES.md)."""
+    kind = os.environ.get("HH_VERIFY_ATTENTION_SCHED", "auto").lower()
+    if kind not in ("auto", "dyn", "static"):
+        raise ValueError(f"HH_VERIFY_ATTENTION_SCHED={kind!r}: auto, dyn or static")
+    return ("dyn" if n8 == 1 else "static") if kind == "auto" else kind
 
 
 def default_pdl() -> bool:
@@ -290,7 +293,7 @@ def verify_attention_cuda(
     ``stages`` overrides the ring depth and ``combine=False`` skips the merge of the partials
     (out is then not written): both for timing experiments only. ``kernel``: "wgmma" or "mma"
     (None: ``default_kernel()``). wgmma only: ``sched`` "dyn" / "static" (None:
-    ``default_sched()``), ``pdl`` launches the combine with programmatic dependent launch (None:
+    ``default_sched(n8)``), ``pdl`` launches the combine with programmatic dependent launch (None:
     ``default_pdl()``), ``trace`` an int64 [CTAs, 8] tensor for per-CTA %globaltimer stamps."""
     num_tokens, num_q_heads, d = q.shape
     num_seqs = seqused_k.shape[0]
@@ -303,7 +306,7 @@ def verify_attention_cuda(
         num_splits = num_splits_for(num_seqs, hkv, n_qt, keys, sms)
     bf16 = "true" if q.dtype == torch.bfloat16 else "false"
     wgmma = (kernel or default_kernel()) == "wgmma"
-    sched = (sched or default_sched()) if num_splits > 1 else "static"
+    sched = (sched or default_sched(n8)) if num_splits > 1 else "static"
     pdl = default_pdl() if pdl is None else pdl
     if wgmma:
         split_kernel = _compiled(*split_variant(d, n8, bf16 == "true", sched, stages))
@@ -332,11 +335,17 @@ def verify_attention_cuda(
         shared_mem=smem,
     )  # fmt: skip
     if num_splits > 1 and num_tokens and combine:
-        combine = _compiled(f"verify_attn_combine<{d}, {bf16}>", 0)
-        grid = (num_tokens * num_q_heads, 1, 1)
-        args = [out, part_acc, part_ml, int(num_splits), num_q_heads, out.stride(0), out.stride(1)]
+        rows = num_tokens * num_q_heads
+        if wgmma:  # one warp per (row, 8 dims): verify_attn_combine_w
+            combine = _compiled(f"verify_attn_combine_w<{d}, {bf16}>", 0)
+            grid, block = (math.ceil(rows * (d // 8) / 4), 1, 1), (128, 1, 1)
+            args = [out, part_acc, part_ml, int(num_splits), num_q_heads, out.stride(0), out.stride(1), rows]
+        else:  # the mma.sync kernel keeps ea506d7's combine
+            combine = _compiled(f"verify_attn_combine<{d}, {bf16}>", 0)
+            grid, block = (rows, 1, 1), (256, 1, 1)
+            args = [out, part_acc, part_ml, int(num_splits), num_q_heads, out.stride(0), out.stride(1)]
         if pdl:
-            _launch_pdl(combine, grid, (256, 1, 1), args)
+            _launch_pdl(combine, grid, block, args)
         else:
-            combine(grid=grid, block=(256, 1, 1), args=args)
+            combine(grid=grid, block=block, args=args)
     return out

@@ -626,6 +626,83 @@ __global__ void __launch_bounds__(256) verify_attn_combine(
   }
 }
 
+// Merge for the wgmma kernel: one warp per (token, query head, 8 output dims), lane = split
+// group. Why: verify_attn_combine walks the splits in a loop of dependent L2 round trips (~17 per
+// thread at 66 splits), and at T=1 it has only N x Hq = 24 CTAs: it cost ~12 µs of the 77 µs call
+// at 100K T=1 b1 (H200, NOTES.md). Here every lane issues all loads of its splits (up to 4 per
+// batch: 32 bytes of acc + m, l each) before using any, so a call is ~one L2 round trip, and the
+// max, the sum and the accumulator are reduced with warp shuffles: no shared memory, no barrier.
+template <int D, bool BF16>
+__global__ void __launch_bounds__(128) verify_attn_combine_w(
+    unsigned short* __restrict__ out,     // [N, Hq, D]
+    const float* __restrict__ part_acc,   // [N, Hq, S, D]
+    const float* __restrict__ part_ml,    // [N, Hq, S, 2]
+    int num_splits, int Hq, int stride_o_tok, int stride_o_head, int rows_total) {
+  using namespace va;
+  griddep_wait();  // see verify_attn_combine
+  constexpr int CH = D / 8;  // 8-dim chunks per row
+  const int lane = threadIdx.x & 31;
+  const int wi = blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (wi >= rows_total * CH) return;  // uniform over the warp
+  const int rowi = wi / CH, ch = wi - (wi / CH) * CH;
+  const float* ml = part_ml + (i64)rowi * num_splits * 2;
+  const float* pa = part_acc + (i64)rowi * num_splits * D + 8 * ch;
+  float mmax = NEG_INF, den = 0.f, a[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) a[i] = 0.f;
+  for (int s0 = 0; s0 < num_splits; s0 += 4 * 32) {  // one batch up to 128 splits
+    float m[4], l[4];
+    float4 v[4][2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int s = s0 + i * 32 + lane;
+      m[i] = NEG_INF, l[i] = 0.f;
+      v[i][0] = v[i][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (s < num_splits) {
+        const float2 t = *reinterpret_cast<const float2*>(ml + 2 * s);
+        m[i] = t.x, l[i] = t.y;
+        v[i][0] = *reinterpret_cast<const float4*>(pa + (i64)s * D);
+        v[i][1] = *reinterpret_cast<const float4*>(pa + (i64)s * D + 4);
+      }
+    }
+    float bm = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
+#pragma unroll
+    for (int o = 16; o; o >>= 1) bm = fmaxf(bm, shfl_xor(bm, o));
+    const float mn = fmaxf(mmax, bm);
+    // Rescale what earlier batches summed (only with > 128 splits); m = -inf: no visible key.
+    const float r = mmax == mn ? 1.f : ex2(mmax - mn);
+    den *= r;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) a[k] *= r;
+    mmax = mn;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float w = m[i] == NEG_INF ? 0.f : ex2(m[i] - mmax);
+      den += w * l[i];
+      const float vv[8] = {v[i][0].x, v[i][0].y, v[i][0].z, v[i][0].w,
+                           v[i][1].x, v[i][1].y, v[i][1].z, v[i][1].w};
+#pragma unroll
+      for (int k = 0; k < 8; ++k) a[k] += w > 0.f ? w * vv[k] : 0.f;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    den += shfl_xor(den, o);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) a[k] += shfl_xor(a[k], o);
+  }
+  if (lane == 0) {
+    const int tok = rowi / Hq, hq = rowi - (rowi / Hq) * Hq;
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    uint4 pk;
+    pk.x = pack_out<BF16>(a[0] * inv, a[1] * inv);
+    pk.y = pack_out<BF16>(a[2] * inv, a[3] * inv);
+    pk.z = pack_out<BF16>(a[4] * inv, a[5] * inv);
+    pk.w = pack_out<BF16>(a[6] * inv, a[7] * inv);
+    *reinterpret_cast<uint4*>(out + (i64)tok * stride_o_tok + (i64)hq * stride_o_head + 8 * ch) = pk;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // verify_attn_split_wg: the same split-KV kernel with both products on wgmma (sm_90a), A operand
 // from registers (the int8 -> fp16 conversion writes it directly), B operand from shared memory.
