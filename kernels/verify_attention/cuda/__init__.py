@@ -336,11 +336,13 @@ def verify_attention_cuda(
     )  # fmt: skip
     if num_splits > 1 and num_tokens and combine:
         rows = num_tokens * num_q_heads
-        if wgmma:  # one warp per (row, 8 dims): verify_attn_combine_w
+        # verify_attn_combine_w (one warp per row x 8 dims, lane = split) from 32 splits; below
+        # that most of its lanes idle (H200, drafter w=2048 T=8 b4: 30.8 vs 25.5 µs; NOTES.md).
+        if wgmma and num_splits >= 32:
             combine = _compiled(f"verify_attn_combine_w<{d}, {bf16}>", 0)
             grid, block = (math.ceil(rows * (d // 8) / 4), 1, 1), (128, 1, 1)
             args = [out, part_acc, part_ml, int(num_splits), num_q_heads, out.stride(0), out.stride(1), rows]
-        else:  # the mma.sync kernel keeps ea506d7's combine
+        else:  # ea506d7's combine (the mma.sync kernel always)
             combine = _compiled(f"verify_attn_combine<{d}, {bf16}>", 0)
             grid, block = (rows, 1, 1), (256, 1, 1)
             args = [out, part_acc, part_ml, int(num_splits), num_q_heads, out.stride(0), out.stride(1)]
