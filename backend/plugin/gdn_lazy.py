@@ -44,15 +44,24 @@ class TorchGdnKernels:
     """
 
     @staticmethod
-    def _prep(q, k, hv: int, scale: float | None):
-        K = k.shape[-1]
-        scale = K**-0.5 if scale is None else scale
-        kn = k.float() * torch.rsqrt((k.float() ** 2).sum(-1, keepdim=True) + 1e-6)
-        kn = kn.repeat_interleave(hv // k.shape[-2], dim=-2)
-        if q is None:
-            return None, kn
-        qn = q.float() * torch.rsqrt((q.float() ** 2).sum(-1, keepdim=True) + 1e-6) * scale
-        return qn.repeat_interleave(hv // q.shape[-2], dim=-2), kn
+    def _norm(x: torch.Tensor, hv: int) -> torch.Tensor:
+        """One token's [H, D] -> l2-normalised fp32 [HV, D] (grouped heads share a key head)."""
+        x = x.float()
+        x = x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+        return x.repeat_interleave(hv // x.shape[0], dim=0)
+
+    @classmethod
+    def _token(cls, h, k_tok, v_tok, a_tok, b_tok, A_log, dt_bias):
+        """One delta-rule step; every path calls it on one token's tensors of the same shapes, so
+        CPU reductions and vectorised transcendentals round identically (lazy == eager)."""
+        decay, beta = gdn_gates(a_tok, b_tok, A_log, dt_bias)
+        return naive_gdn_step(h, cls._norm(k_tok, h.shape[0]), v_tok, decay, beta)
+
+    @staticmethod
+    def _out(h, q_tok, scale: float | None):
+        K = q_tok.shape[-1]
+        qn = TorchGdnKernels._norm(q_tok, h.shape[0]) * (K**-0.5 if scale is None else scale)
+        return (h * qn[:, :, None]).sum(-2)
 
     @staticmethod
     def _load(state, slot: int, state_vk: bool) -> torch.Tensor:
@@ -66,14 +75,10 @@ class TorchGdnKernels:
     @classmethod
     def _replay(cls, h, log_rows, H: int, A_log, dt_bias):
         hv, K, V = h.shape
-        lk = log_rows[:, : H * K].view(-1, H, K)
-        lv = log_rows[:, H * K : H * K + hv * V].view(-1, hv, V)
-        la = log_rows[:, H * K + hv * V : H * K + hv * V + hv]
-        lb = log_rows[:, H * K + hv * V + hv :]
-        decay, beta = gdn_gates(la, lb, A_log, dt_bias)
-        _, kn = cls._prep(None, lk, hv, None)
-        for t in range(log_rows.shape[0]):
-            h = naive_gdn_step(h, kn[t], lv[t], decay[t], beta[t])
+        for row in log_rows:
+            h = cls._token(h, row[: H * K].view(H, K), row[H * K : H * K + hv * V].view(hv, V),
+                           row[H * K + hv * V : H * K + hv * V + hv], row[H * K + hv * V + hv :],
+                           A_log, dt_bias)
         return h
 
     @classmethod
@@ -83,8 +88,6 @@ class TorchGdnKernels:
         hv = v.shape[2]
         par = int(log_parity.item())
         o = out if out is not None else torch.empty(B, T, hv, v.shape[-1], dtype=q.dtype, device=q.device)
-        qn, kn = cls._prep(q, k, hv, scale)
-        decay, beta = gdn_gates(a, b, A_log, dt_bias)
         row = torch.cat([k.reshape(B, T, -1), v.reshape(B, T, -1), a, b], dim=-1)
         for i in range(B):
             slot = int(state_indices[i])
@@ -97,8 +100,8 @@ class TorchGdnKernels:
                 h = h.to(state.dtype).float()
                 cls._store(state, slot, h, state_vk)
             for t in range(T):
-                h = naive_gdn_step(h, kn[i, t], v[i, t], decay[i, t], beta[i, t])
-                o[i, t] = (h * qn[i, t][:, :, None]).sum(-2).to(o.dtype)
+                h = cls._token(h, k[i, t], v[i, t], a[i, t], b[i, t], A_log, dt_bias)
+                o[i, t] = cls._out(h, q[i, t], scale).to(o.dtype)
             log[slot, 1 - par, :T] = row[i]
         return o
 
@@ -119,16 +122,14 @@ class TorchGdnKernels:
         B, T, _, _ = q.shape
         hv = v.shape[2]
         o = out if out is not None else torch.empty(B, T, hv, v.shape[-1], dtype=q.dtype, device=q.device)
-        qn, kn = cls._prep(q, k, hv, scale)
-        decay, beta = gdn_gates(a, b, A_log, dt_bias)
         for i in range(B):
             slot = int(init_indices[i])
             if slot < 0:
                 continue
             h = cls._load(state, slot, state_vk)
             for t in range(T):
-                h = naive_gdn_step(h, kn[i, t], v[i, t], decay[i, t], beta[i, t])
-                o[i, t] = (h * qn[i, t][:, :, None]).sum(-2).to(o.dtype)
+                h = cls._token(h, k[i, t], v[i, t], a[i, t], b[i, t], A_log, dt_bias)
+                o[i, t] = cls._out(h, q[i, t], scale).to(o.dtype)
                 dst = int(token_indices[i, t])
                 if dst >= 0:
                     cls._store(state, dst, h, state_vk)
