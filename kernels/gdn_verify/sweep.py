@@ -19,24 +19,33 @@ from pathlib import Path
 
 import torch
 
-from kernels.gdn_verify.bench import DTYPES, H, HV, K, V, case_ours, copy_bandwidth, inputs, time_graph
+from kernels.gdn_verify.bench import DTYPES, H, HV, K, V, case_ours, copy_bandwidth, inputs, load_baseline, time_graph
 from kernels.gdn_verify.triton import _default_config
 
-# Candidates (BV, warps, VEC, PF, RG, FOLD): the two defaults, [8 K-lanes x 4 V-lanes], with the
-# folded (1) and the reference-order (0) arithmetic; (8,1,4,2,4,0) is the previous kernel's
-# tiling and arithmetic ([16 x 2]).  First run (NOTES.md) also timed (8,1,4,*), (4,1,2,*) and the
-# old 2-byte layout (8,1,8,2,4).
+# Candidates (BV, warps, VEC, PF, RG, FOLD, KCVT), bisecting the fp32 B=1/4 regression against
+# da5db45 (timed in the same rows, "before"): KCVT 1/0 (replayed k converted at its load / at its
+# use) and PF/RG 4/8 vs 2/4 (the prefetch-queue rewrite; at PF=2 it is da5db45's SASS) on both
+# default tilings ([8 K-lanes x 4 V-lanes]: (8,1,2) below batch 8, (16,1,4) from 8), and the
+# previous kernel's tiling [16 x 2] (8,1,4) with its arithmetic (FOLD=0) and with FOLD=1.  The
+# third suspect (VEC cap on the v loads/stores) compiles to identical SASS: not timed.  The
+# default is timed again at the end of its row (same-row noise).
 CFGS = {
-    name: [(8, 1, 2, 4, 8, 1), (8, 1, 2, 4, 8, 0), (16, 1, 4, 4, 8, 1), (16, 1, 4, 4, 8, 0), (8, 1, 4, 2, 4, 0)]
+    name: [(8, 1, 2, 4, 8, 1, 1), (8, 1, 2, 4, 8, 1, 0), (8, 1, 2, 2, 4, 1, 1), (8, 1, 2, 2, 4, 1, 0),
+           (16, 1, 4, 4, 8, 1, 1), (16, 1, 4, 4, 8, 1, 0), (16, 1, 4, 2, 4, 1, 0),
+           (8, 1, 4, 2, 4, 0, 1), (8, 1, 4, 2, 4, 0, 0), (8, 1, 4, 2, 4, 1, 0)]
     for name in ("fp32", "bf16")
 }
 # The GPU tests' extra configs (tests/kernels/test_gdn_verify.py GPU_CONFIGS).
-TEST_CFGS = [(8, 1, 4, 2, 4, 1), (8, 1, 4, 2, 4, 0), (4, 1, 2, 4, 8, 1), (8, 1, 2, 4, 8, 1),
-             (8, 1, 2, 4, 8, 0), (16, 1, 4, 4, 8, 1), (16, 1, 4, 4, 8, 0)]
+TEST_CFGS = [(8, 1, 4, 2, 4, 0), (8, 1, 2, 4, 8, 1), (16, 1, 4, 4, 8, 1), (8, 1, 2, 4, 8, 1, 0),
+             (16, 1, 4, 4, 8, 1, 0), (8, 1, 2, 2, 4, 1, 0), (8, 1, 4, 2, 4, 0, 0)]
 
 
 def _compile(job: tuple) -> str:
     """Launch one kernel variant once at real shapes (B=1) so that it lands in Triton's cache."""
+    if job[0] == "lookup":
+        from kernels.lookup_scan.bench import precompile_one
+
+        return precompile_one(job)
     from kernels.gdn_verify import gdn_log_empty
     from kernels.gdn_verify.triton import gdn_verify_fwd
 
@@ -86,6 +95,9 @@ def precompile_jobs() -> list[tuple]:
         if Path(".baseline/gdn_verify_triton.py").exists():
             for B in (1, 8):
                 jobs.add(("old", name, B, bf, False))
+    from kernels.lookup_scan.bench import precompile_jobs as lookup_jobs
+
+    jobs.update(lookup_jobs())
     for name in ("fp32", "bf16"):
         for cfg in TEST_CFGS:
             for mode in ("lazy", "eager", "commit"):
@@ -118,12 +130,16 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"copy bandwidth (read+write) {bw / 1e12:.2f} TB/s", flush=True)
-    print("sweep: ours lazy r=T, µs per layer (CUDA graph, cold L2); config BV/warps/VEC/PF/RG", flush=True)
+    print("sweep: ours lazy r=T, µs per layer (CUDA graph, cold L2); config BV/warps/VEC/PF/RG/FOLD/KCVT; "
+          "before = da5db45's kernel (.baseline), same row", flush=True)
+    old_fn = load_baseline(Path(".baseline"))
     for B in (int(b) for b in args.batches.split(",")):
         for name, cfgs in CFGS.items():
             sd = DTYPES[name]
             cells = []
-            for cfg in cfgs:
+            if old_fn is not None:
+                cells.append(f"before {time_graph(case_ours(B, T, sd, T, fwd=old_fn)[0]):.1f}")
+            for cfg in [*cfgs, _default_config(B, sd)]:
                 try:
                     t = time_graph(case_ours(B, T, sd, T, config=cfg)[0])
                     cells.append(f"{'/'.join(map(str, cfg))} {t:.1f}")

@@ -28,30 +28,40 @@ import triton.language as tl
 
 
 def _default_config(batch: int, state_dtype: torch.dtype, state_vk: bool = False) -> tuple[int, ...]:
-    """(BV, num_warps, VEC, PF, RG, FOLD) from the H200 sweeps (NOTES.md, ``python -m kernels.gdn_verify.sweep``).
+    """(BV, num_warps, VEC, PF, RG, FOLD, KCVT) from the H200 sweeps (NOTES.md,
+    ``python -m kernels.gdn_verify.sweep``).
 
     BV: V columns per program (one warp); VEC: state vector width along V, which fixes the lane
     split of the [K, BV] tile; PF: new tokens prefetched ahead (<= 4); RG: replay tokens per
-    predicated group; FOLD: norms/decay folded into scalars (see _delta_step).
+    predicated group; FOLD: norms/decay folded into scalars (see _delta_step).  KCVT switches
+    one of three edits suspected of the fp32 B=1/4 regression against da5db45 (bisected by the
+    sweep; it changes no result bit): KCVT=1 converts a replayed k to fp32 right at its load, so
+    its layout change (a shared-memory round trip with a barrier) waits for that load before the
+    token's v/a/b loads issue; KCVT=0 converts it at its first use, after the gates, as da5db45
+    did.  The other two suspects need no switch; compiled with triton 3.6 for sm_90 they give
+    the same SASS either way: the VEC cap also on the v loads and output/log stores (fp32 and bf16
+    states, BV 8 and 16), and the PF-deep prefetch queue at PF=2 vs da5db45's two-deep one (so
+    PF is the variable).
     Both defaults split the tile over [8 K-lanes x 4 V-lanes] ((8, 1, 2): 2 V values per thread,
     (16, 1, 4): 4), so K reductions run in the same order and a request's results do not depend
     on the batch size it ran in (bit-identical across the two tilings, tested on the GPU).
     """
     if state_vk:
-        return (8, 1, 4, 2, 4, 1)
+        return (8, 1, 4, 2, 4, 1, 1)
     if batch >= 8:
-        return (16, 1, 4, 4, 8, 1)
-    return (8, 1, 2, 4, 8, 1)
+        return (16, 1, 4, 4, 8, 1, 1)
+    return (8, 1, 2, 4, 8, 1, 1)
 
 
-def _resolve_config(config, batch, state_dtype, state_vk) -> tuple[int, int, int, int, int, int]:
-    """A partial config (BV, num_warps[, VEC[, PF[, RG[, FOLD]]]]) filled from the default."""
+def _resolve_config(config, batch, state_dtype, state_vk) -> tuple[int, ...]:
+    """A partial config (BV, num_warps[, VEC[, PF[, RG[, FOLD[, KCVT]]]]]) filled
+    from the default."""
     full = _default_config(batch, state_dtype, state_vk)
     if config is None:
         return full  # type: ignore[return-value]
     cfg = tuple(config) + full[len(config):]
-    if not 1 <= cfg[3] <= 4 or cfg[4] < 1:
-        raise ValueError(f"config {cfg}: need 1 <= PF <= 4 and RG >= 1")
+    if len(cfg) != 7 or not 1 <= cfg[3] <= 4 or cfg[4] < 1:
+        raise ValueError(f"config {cfg}: need 7 entries, 1 <= PF <= 4 and RG >= 1")
     return cfg  # type: ignore[return-value]
 
 
@@ -126,6 +136,7 @@ def gdn_verify_kernel(
     BK: tl.constexpr, BV: tl.constexpr,
     LAZY: tl.constexpr, STATE_VK: tl.constexpr,
     VEC: tl.constexpr, PF: tl.constexpr, RG: tl.constexpr, FOLD: tl.constexpr,
+    KCVT: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -185,12 +196,16 @@ def gdn_verify_kernel(
                     if g + j < TL:
                         m_i = g + j < r
                         p_row = p_lin + (g + j) * LR
-                        l_k = tl.load(p_row + i_h * K + o_k, mask=_and(m_k, m_i), other=0).to(tl.float32)
+                        l_k = tl.load(p_row + i_h * K + o_k, mask=_and(m_k, m_i), other=0)
+                        if KCVT:  # the conversion (and its layout change) sits right at the load
+                            l_k = l_k.to(tl.float32)
                         l_v = tl.load(p_row + H * K + i_hv * V + o_v, mask=_and(m_v, m_i), other=0)
                         l_a = tl.load(p_row + H * K + HV * V + i_hv, mask=m_i, other=0)
                         l_b = tl.load(p_row + H * K + HV * V + HV + i_hv, mask=m_i, other=0)
                         decay, beta = _gates(l_a, l_b, neg_exp_A, dt)
-                        b_hn = _delta_step(b_h, l_k, _rnorm(l_k), l_v.to(tl.float32), decay, beta, FOLD)
+                        # KCVT=0: converted only here, after this token's other loads were issued
+                        f_lk = l_k.to(tl.float32)
+                        b_hn = _delta_step(b_h, f_lk, _rnorm(f_lk), l_v.to(tl.float32), decay, beta, FOLD)
                         b_h = tl.where(m_i, b_hn, b_h)
         # The eager path rounds here (its stored state of the last accepted token); idempotent
         # when nothing was replayed.
@@ -318,7 +333,7 @@ def gdn_verify_fwd(
             a, b = a.contiguous(), b.contiguous()
             a, *sab = _dense(a, "a", 1)
         o = out if out is not None else torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
-    BV, num_warps, vec, pf, rg, fold = _resolve_config(config, B, state.dtype, state_vk)
+    BV, num_warps, vec, pf, rg, fold, kcvt = _resolve_config(config, B, state.dtype, state_vk)
     BV = min(BV, triton.next_power_of_2(V))
     grid = (triton.cdiv(V, BV), B * HV)
     gdn_verify_kernel[grid](
@@ -330,7 +345,7 @@ def gdn_verify_fwd(
         sqk[0], sqk[1], sv[0], sv[1], sab[0], sab[1], state.stride(0),
         T=T, TL=TL, H=H, HV=HV, K=K, V=V,
         BK=triton.next_power_of_2(K), BV=BV, LAZY=lazy, STATE_VK=state_vk,
-        VEC=min(vec, BV), PF=pf, RG=rg, FOLD=bool(fold),
+        VEC=min(vec, BV), PF=pf, RG=rg, FOLD=bool(fold), KCVT=bool(kcvt),
         num_warps=num_warps, num_stages=1,
     )
     return o if T else None

@@ -2,6 +2,9 @@
 
     python -m kernels.lookup_scan.bench [--sweep] [--vllm-ref .vllm_ref] [--baseline .baseline]
 
+``--sweep`` first times the fold/grid variants (SWEEP) side by side on the costly cases; every
+variant launched here is precompiled by ``python -m kernels.gdn_verify.sweep --precompile``.
+
 Providers: ours (one launch); before (the same launch through an earlier copy of
 kernels/lookup_scan/triton.py in the ``--baseline`` folder, ignored by git); vLLM 0.32.0's V2 n-gram speculator kernels (_ngram_scan_kernel +
 _ngram_finalize_kernel, copied into an ignored folder, never committed; max_model_len set to the
@@ -92,10 +95,66 @@ def vllm_runner(mod, tok: torch.Tensor, lens: torch.Tensor, min_n: int, max_n: i
     return fn, drafts
 
 
+SIZES = (8192, 32768, 100_000, 262_144)
+SWEEP_CASES = [(100_000, 1, (6, 12), "quote"), (262_144, 8, (5, 5), "lowent"),
+               (262_144, 8, (6, 12), "quote"), (262_144, 8, (6, 12), "lowent")]
+# (block, warps, programs per request or None = the launcher's cap, skip, groups): the default;
+# the program cap (fewer programs, each looping over more blocks, or more); more positions per
+# program (larger blocks, same program count rule); the fold variants (read the running max
+# before the contended atomic_max; two-level fold over 8 / 16 group words per request).
+SWEEP = [(512, 4, None, 0, 1), (512, 4, 64, 0, 1), (512, 4, 128, 0, 1), (512, 4, 512, 0, 1),
+         (1024, 4, None, 0, 1), (2048, 4, None, 0, 1), (2048, 8, None, 0, 1),
+         (512, 4, None, 1, 1), (512, 4, None, 0, 8), (512, 4, None, 0, 16), (512, 4, None, 1, 16),
+         (1024, 4, None, 1, 16)]
+
+
+def _run_variant(tok, lens, mn, mx, var, out=None):
+    from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
+
+    blk, nw, prog, skip, groups = var
+    ws = torch.zeros(workspace_numel(tok.shape[0], groups), dtype=torch.int64, device="cuda")
+    return lambda: lookup_scan_fwd(tok, lens, mn, mx, K_DRAFT, None, ws, out, prog, blk, nw, skip, groups)
+
+
+def precompile_jobs() -> list[tuple]:
+    """One job per launch configuration this bench makes (ours, before, vLLM), for the parallel
+    precompile in kernels/gdn_verify/sweep.py."""
+    jobs = set()
+    for S, B, (mn, mx), _ in SWEEP_CASES:
+        for var in SWEEP:
+            jobs.add(("lookup", "sweep", S, B, mn, mx, var))
+    for S in SIZES:
+        for B in (1, 8):
+            for mn, mx in ((5, 5), (6, 12)):
+                for who in ("ours", "old", "vllm"):
+                    jobs.add(("lookup", who, S, B, mn, mx, None))
+    return sorted(jobs, key=str)
+
+
+def precompile_one(job: tuple) -> str:
+    _, who, S, B, mn, mx, var = job
+    tok = torch.zeros(B, S, dtype=torch.int32, device="cuda")
+    lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    if who == "sweep":
+        _run_variant(tok, lens, mn, mx, var)()
+    elif who == "ours":
+        lookup_scan(tok, lens, mn, mx, K_DRAFT, workspace=torch.zeros(2 * B, dtype=torch.int64, device="cuda"))
+    elif who == "old":
+        fwd = load_baseline(Path(".baseline"))
+        if fwd is not None:
+            fwd(tok, lens, mn, mx, K_DRAFT, None, torch.zeros(2 * B, dtype=torch.int64, device="cuda"), None)
+    else:
+        mod = load_vllm(Path(".vllm_ref"))
+        if mod is not None:
+            vllm_runner(mod, tok, lens, mn, mx)[0]()
+    torch.cuda.synchronize()
+    return f"lookup {who} S={S} B={B} n{mn}-{mx} {var}"
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="8192,32768,100000,262144")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--sweep", action="store_true", help="time (block, programs) settings of ours")
     ap.add_argument("--vllm-ref", type=Path, default=Path(".vllm_ref"))
     ap.add_argument("--baseline", type=Path, default=Path(".baseline"))
@@ -109,17 +168,21 @@ def main() -> None:
     if old_fwd is None:
         print("baseline kernel copy not found: before column skipped")
     if args.sweep:
-        from kernels.lookup_scan.triton import lookup_scan_fwd
-        for S, B, (mn, mx), kind in [(100_000, 1, (6, 12), "quote"), (262_144, 8, (5, 5), "lowent"),
-                                     (262_144, 8, (6, 12), "quote"), (262_144, 8, (6, 12), "lowent")]:
-            tok = histories(kind, B, S, 0).cuda()
-            lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
-            ws = torch.zeros(2 * B, dtype=torch.int64, device="cuda")
+        print("sweep: ours, µs per call (same harness); variant block/warps/programs(- = cap)/skip/groups; "
+              "'!' = proposal differs from the serial reference", flush=True)
+        for S, B, (mn, mx), kind in SWEEP_CASES:
+            tok_c = histories(kind, B, S, 0)
+            lens_c = torch.full((B,), S, dtype=torch.int32)
+            d_ref, n_ref = naive_lookup_scan(tok_c, lens_c, mn, mx, K_DRAFT)
+            tok, lens = tok_c.cuda(), lens_c.cuda()
             res = []
-            for blk, nw in ((512, 4), (1024, 4), (1024, 8), (2048, 8)):
-                t = time_graph(lambda: lookup_scan_fwd(tok, lens, mn, mx, K_DRAFT, None, ws, None, None, blk, nw))
-                res.append(f"{blk}/{nw} {t:.2f}")
-            print(f"sweep S={S} B={B} n{mn}-{mx} {kind} block/warps: " + "  ".join(res), flush=True)
+            for var in [*SWEEP, SWEEP[0]]:  # the default again at the end: same-row noise
+                out = (torch.full((B, K_DRAFT), -7, dtype=torch.int64, device="cuda"),
+                       torch.full((B,), -7, dtype=torch.int32, device="cuda"))
+                t = time_graph(_run_variant(tok, lens, mn, mx, var, out))
+                ok = torch.equal(out[0].cpu(), d_ref) and torch.equal(out[1].cpu(), n_ref)
+                res.append("/".join("-" if x is None else str(x) for x in var) + f" {t:.2f}{'' if ok else '!'}")
+            print(f"sweep S={S} B={B} n{mn}-{mx} {kind}: " + "  ".join(res), flush=True)
     dummy = torch.zeros(1, device="cuda")
     print(f"launch floor in this harness (one empty Triton kernel): {time_graph(lambda: _empty_kernel[(1,)](dummy)):.2f} µs")
     print(f"\nlookup scan, k={K_DRAFT}; µs per call (CUDA graph, cold L2: memset-flushed, flush time subtracted); ref = serial torch on CPU, ms")

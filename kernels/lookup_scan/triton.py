@@ -27,6 +27,15 @@ import triton.language as tl
 BLOCK = 512
 MAX_PROGRAMS = 2048  # per launch, over all requests (at least 32 per request)
 NUM_WARPS = 4
+# Fold variants (bench.py --sweep): SKIP reads the running max before the contended atomic_max;
+# GROUPS > 1 folds in two levels (per-group words, then the request's), with a larger workspace.
+SKIP = 0
+GROUPS = 1
+
+
+def workspace_numel(batch: int, groups: int = GROUPS) -> int:
+    """int64 words of zeroed workspace a launch needs: max and ticket per request, plus per group."""
+    return 2 * batch * (1 + (groups if groups > 1 else 0))
 
 
 @triton.jit
@@ -63,7 +72,7 @@ def lookup_scan_kernel(
     tokens, s_tok, req_idx, seq_lens, drafts, num_valid, ws,
     S, P, B,
     MIN_N: tl.constexpr, MAX_N: tl.constexpr, K_DRAFT: tl.constexpr, KP: tl.constexpr,
-    BLOCK: tl.constexpr, HAS_REQ_IDX: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_REQ_IDX: tl.constexpr, SKIP: tl.constexpr, GROUPS: tl.constexpr,
 ):
     i_p, i_b = tl.program_id(0), tl.program_id(1)
     row = tl.load(req_idx + i_b).to(tl.int64) if HAS_REQ_IDX else i_b.to(tl.int64)
@@ -84,10 +93,36 @@ def lookup_scan_kernel(
             tok_c = tl.load(p_h + e_c, mask=e_c < S, other=0)
             best = tl.maximum(best, _block_best(p_h, e_c, tok_c, L, last, MIN_N, MAX_N))
 
-        if best > 0:  # most programs of a quoting history find nothing: spare the contended word
-            tl.atomic_max(ws + i_b, best, sem="relaxed")
-        ticket = tl.atomic_add(ws + B + i_b, 1, sem="acq_rel")  # release orders the max above
-        if ticket == n_act - 1:
+        if GROUPS > 1:
+            # Two-level fold: program i_p joins group i_p % GROUPS (its own max and ticket words,
+            # P / GROUPS programs each); the last program of a group folds the group's max into
+            # the request's words, so those see at most GROUPS atomics instead of n_act.
+            g = i_p % GROUPS
+            p_g = ws + 2 * B + (i_b * GROUPS + g) * 2
+            if best > 0:
+                tl.atomic_max(p_g, best, sem="relaxed")
+            n_g = (n_act - g + GROUPS - 1) // GROUPS  # active programs of this group
+            last_g = tl.atomic_add(p_g + 1, 1, sem="acq_rel") == n_g - 1
+            if last_g:
+                best = tl.load(p_g, volatile=True)
+                tl.store(p_g, 0)
+                tl.store(p_g + 1, 0)
+            n_fold = tl.minimum(n_act, GROUPS)  # groups with at least one active program
+        else:
+            last_g = True
+            n_fold = n_act
+        ticket = n_act * 0 - 1  # int64 like the atomic's result
+        if last_g:
+            if best > 0:  # most programs of a quoting history find nothing: spare the contended word
+                if SKIP:
+                    # read first: a program whose best is not above the running max skips the
+                    # contended atomic (the max only grows, so skipping cannot lose the winner)
+                    if best > tl.load(ws + i_b, volatile=True):
+                        tl.atomic_max(ws + i_b, best, sem="relaxed")
+                else:
+                    tl.atomic_max(ws + i_b, best, sem="relaxed")
+            ticket = tl.atomic_add(ws + B + i_b, 1, sem="acq_rel")  # release orders the max above
+        if ticket == n_fold - 1:
             # Last program of the request: every max is visible (acquire); plain loads/stores
             # suffice, no other program touches the two words again in this launch.
             best = tl.load(ws + i_b, volatile=True)
@@ -114,8 +149,12 @@ def lookup_scan_fwd(
     programs_per_request: int | None = None,
     block: int = BLOCK,
     num_warps: int = NUM_WARPS,
+    skip: int = SKIP,
+    groups: int = GROUPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher; see kernels.lookup_scan.lookup_scan for the contract."""
+    """Launcher; see kernels.lookup_scan.lookup_scan for the contract.  ``skip`` and ``groups``
+    are the fold variants timed by bench.py --sweep (kernel docstring); groups > 1 needs a
+    workspace of ``workspace_numel(B, groups)`` int64 zeros instead of 2 * B."""
     if not 1 <= min_n <= max_n or max_n > 31 or num_draft < 1:
         raise ValueError(f"need 1 <= min_n <= max_n <= 31 and num_draft >= 1, got {min_n}, {max_n}, {num_draft}")
     if token_ids.stride(-1) != 1 or token_ids.dtype not in (torch.int32, torch.int64):
@@ -124,10 +163,11 @@ def lookup_scan_fwd(
         raise ValueError(f"history capacity {token_ids.shape[1]} exceeds the packed score")
     B = token_ids.shape[0] if req_indices is None else req_indices.shape[0]
     dev = token_ids.device
+    n_ws = workspace_numel(B, groups)
     if workspace is None:
-        workspace = torch.zeros(2 * B, dtype=torch.int64, device=dev)
-    elif workspace.shape != (2 * B,) or workspace.dtype != torch.int64:
-        raise ValueError(f"workspace must be int64 [{2 * B}] zeros, got {workspace.dtype} {tuple(workspace.shape)}")
+        workspace = torch.zeros(n_ws, dtype=torch.int64, device=dev)
+    elif workspace.shape != (n_ws,) or workspace.dtype != torch.int64:
+        raise ValueError(f"workspace must be int64 [{n_ws}] zeros, got {workspace.dtype} {tuple(workspace.shape)}")
     drafts, num_valid = out if out is not None else (
         torch.empty(B, num_draft, dtype=torch.int64, device=dev),
         torch.empty(B, dtype=torch.int32, device=dev),
@@ -138,6 +178,7 @@ def lookup_scan_fwd(
         token_ids, token_ids.stride(0), req_indices if req_indices is not None else seq_lens, seq_lens,
         drafts, num_valid, workspace, S, P, B,
         MIN_N=min_n, MAX_N=max_n, K_DRAFT=num_draft, KP=triton.next_power_of_2(num_draft),
-        BLOCK=block, HAS_REQ_IDX=req_indices is not None, num_warps=num_warps,
+        BLOCK=block, HAS_REQ_IDX=req_indices is not None, SKIP=bool(skip), GROUPS=groups,
+        num_warps=num_warps,
     )
     return drafts, num_valid

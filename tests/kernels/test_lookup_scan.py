@@ -122,3 +122,22 @@ def test_real_lengths_gpu(S, min_n, max_n):
     ws = torch.zeros(16, dtype=torch.int64, device=DEVICE)
     for _ in range(2):
         check(tok, lens, min_n, max_n, 7, workspace=ws)
+
+
+@pytest.mark.parametrize("skip,groups", [(1, 1), (0, 4), (1, 3)], ids=lambda x: str(x))
+def test_fold_variants(skip, groups):
+    """The sweep's fold variants (read-before-max, two-level groups) propose what the reference
+    does, with groups larger and smaller than the active programs, and leave the workspace zeroed."""
+    from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
+
+    tok = torch.cat([repetitive(2, 1500, 300, seed=11), torch.randint(0, 4, (2, 1500), dtype=torch.int32)])
+    lens = torch.tensor([1500, 700, 1400, 2], dtype=torch.int32)
+    ws = torch.zeros(workspace_numel(4, groups), dtype=torch.int64, device=DEVICE)
+    for min_n, max_n, programs in [(2, 9, 5), (4, 4, 12)]:
+        out = (torch.full((4, 5), -7, dtype=torch.int64, device=DEVICE),
+               torch.full((4,), -7, dtype=torch.int32, device=DEVICE))
+        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 5, None, ws, out, programs, 128, 4,
+                               skip, groups)
+        dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 5)
+        assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
+        assert not ws.any()
