@@ -50,6 +50,30 @@ class Rendered:
         return None
 
 
+def assemble(
+    ids_of: Callable[[str], list[int]],
+    chunks: Sequence[tuple[int | None, str]],
+    generation: str | None,
+) -> Rendered:
+    """Ids and spans of a prompt from its per-message chunks (message index, text).
+
+    `ids_of` is the formats' chunk cache (`ChunkCache.ids`): chunks end next to special tokens,
+    so their ids concatenate to the ids of the whole text. `generation` is the generation
+    prompt's text, tokenized last and spanned separately."""
+    ids: list[int] = []
+    spans: list[Span] = []
+    for index, text in chunks:
+        start = len(ids)
+        ids.extend(ids_of(text))
+        spans.append(Span(start, len(ids), index))
+    gen = None
+    if generation is not None:
+        start = len(ids)
+        ids.extend(ids_of(generation))
+        gen = Span(start, len(ids), None)
+    return Rendered(ids, tuple(spans), gen)
+
+
 class DeltaKind(enum.Enum):
     CONTENT = "content"
     REASONING = "reasoning"

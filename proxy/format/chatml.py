@@ -23,9 +23,9 @@ from proxy.format.base import (
     OutputParser,
     ParsedOutput,
     Rendered,
-    Span,
     Tool,
     ToolCallIdFactory,
+    assemble,
 )
 from proxy.format.cache import ChunkCache
 from proxy.format.template import TemplateError, render_template
@@ -145,18 +145,7 @@ class ChatMLFormat(ChatFormat):
         return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
 
     def _assemble(self, chunks: Sequence[tuple[int | None, str]], generation: str | None) -> Rendered:
-        ids: list[int] = []
-        spans: list[Span] = []
-        for index, text in chunks:
-            start = len(ids)
-            ids.extend(self.cache.ids(text))
-            spans.append(Span(start, len(ids), index))
-        gen = None
-        if generation:
-            start = len(ids)
-            ids.extend(self.cache.ids(generation))
-            gen = Span(start, len(ids), None)
-        return Rendered(ids, tuple(spans), gen)
+        return assemble(self.cache.ids, chunks, generation)
 
     def render(
         self,

@@ -22,9 +22,9 @@ from proxy.format.base import (
     Message,
     OutputParser,
     Rendered,
-    Span,
     Tool,
     ToolCallIdFactory,
+    assemble,
 )
 from proxy.format.cache import ChunkCache
 from proxy.format.qwen3x_parser import Qwen3xParser
@@ -292,18 +292,7 @@ class Qwen3xFormat(ChatFormat):
         return chunks
 
     def _assemble(self, chunks: Sequence[tuple[int | None, str]], generation: str | None) -> Rendered:
-        ids: list[int] = []
-        spans: list[Span] = []
-        for index, text in chunks:
-            start = len(ids)
-            ids.extend(self.cache.ids(text))
-            spans.append(Span(start, len(ids), index))
-        gen_span = None
-        if generation is not None:
-            start = len(ids)
-            ids.extend(self.cache.ids(generation))
-            gen_span = Span(start, len(ids), None)
-        return Rendered(ids, tuple(spans), gen_span)
+        return assemble(self.cache.ids, chunks, generation)
 
     # -- API ----------------------------------------------------------------------------
 
