@@ -356,25 +356,45 @@ def time_mma(
     print(fmt(r), flush=True)
 
 
+def time_before(
+    prob: Problem, label: str, flush: torch.Tensor, bw: float, base: float | None,
+    results: list, before_mod: Any,
+) -> None:
+    """The previous commit's default CUDA path (``--before-dir``) on the same problem."""
+    from kernels.verify_attention import _use_cuda
+
+    p = prob.pool
+    if before_mod is None or not _use_cuda(prob.q, p.k, p.v, prob.out, p.k_scale, p.v_scale):
+        return
+    fn = before_default(prob, before_mod)
+    fn()
+    err = prob.error()
+    r = row(f"{label} before", time_graph(fn, flush), prob.int8_bytes, bw, base, err)
+    results.append(r)
+    print(fmt(r), flush=True)
+
+
 def summary(results: list[dict]) -> None:
-    """Side by side per case: vLLM, the mma kernel (ea506d7), ours; ratios from this run."""
+    """Side by side per case: vLLM, the mma kernel (ea506d7), the previous commit's default path
+    (``before``), ours; ratios from this run."""
     cases: dict[str, dict[str, dict]] = {}
     for r in results:
         if "us" not in r:
             continue
         case, _, prov = r["case"].rpartition(" ")
         cases.setdefault(case, {})[prov] = r
-    print(f"\n{'case':<40} {'vllm us':>9} {'mma us':>8} {'ours us':>8} {'ours %':>7} "
-          f"{'mma %':>6} {'mma/ours':>8} {'vllm/ours':>9} err ours/mma/vllm")  # fmt: skip
+    print(f"\n{'case':<40} {'vllm us':>9} {'mma us':>8} {'bef us':>8} {'ours us':>8} {'ours %':>7} "
+          f"{'bef %':>6} {'mma/ours':>8} {'bef/ours':>8} {'vllm/ours':>9} err ours/bef/vllm")  # fmt: skip
     for case, d in cases.items():
         if "ours" not in d:
             continue
-        o, m, v = d["ours"], d.get("mma-ea506d7"), d.get("vllm")
+        o, m, v, bf = d["ours"], d.get("mma-ea506d7"), d.get("vllm"), d.get("before")
         cell = lambda x, k, f: format(x[k], f) if x else "-"  # noqa: E731
         ratio = lambda x: f"{x['us'] / o['us']:.2f}x" if x else "-"  # noqa: E731
-        errs = "/".join(f"{x['err']:.1e}" if x else "-" for x in (o, m, v))
-        print(f"{case:<40} {cell(v, 'us', '9.1f'):>9} {cell(m, 'us', '8.1f'):>8} {o['us']:8.1f} "
-              f"{o['pct_copy']:6.1f}% {cell(m, 'pct_copy', '5.1f'):>6} {ratio(m):>8} {ratio(v):>9} {errs}")  # fmt: skip
+        errs = "/".join(f"{x['err']:.1e}" if x else "-" for x in (o, bf, v))
+        print(f"{case:<40} {cell(v, 'us', '9.1f'):>9} {cell(m, 'us', '8.1f'):>8} {cell(bf, 'us', '8.1f'):>8} "
+              f"{o['us']:8.1f} {o['pct_copy']:6.1f}% {cell(bf, 'pct_copy', '5.1f'):>6} {ratio(m):>8} "
+              f"{ratio(bf):>8} {ratio(v):>9} {errs}")  # fmt: skip
 
 
 def before_call(prob: Problem, source: str) -> Callable[[], object]:
@@ -415,7 +435,30 @@ def before_call(prob: Problem, source: str) -> Callable[[], object]:
     return run
 
 
-def trace_stats(prob: Problem, sched: str, flush: torch.Tensor) -> str:
+def load_before(folder: str) -> Any:
+    """The previous commit's kernels/verify_attention/cuda package (its __init__.py and .cu, e.g.
+    from ``git show 86a6d8f:...``) as a module of its own: its own launcher, source and caches."""
+    spec = importlib.util.spec_from_file_location("va_cuda_before", Path(folder) / "__init__.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def before_default(prob: Problem, mod: Any) -> Callable[[], object]:
+    """The previous commit's default CUDA path on this problem (its own split rule and combine)."""
+    p = prob.pool
+
+    def run() -> object:
+        return mod.verify_attention_cuda(
+            prob.q, p.k, prob.out, prob.cu_q, prob.t, prob.seq_lens, prob.ctx,
+            1 / math.sqrt(p.head_size), prob.window, prob.block_table,
+        )  # fmt: skip
+
+    return run
+
+
+def trace_stats(prob: Problem, sched: str, flush: torch.Tensor, fuse: bool = False) -> str:
     """One eager launch with per-CTA %globaltimer stamps: where the split kernel's time goes."""
     from kernels.verify_attention import cuda as vc
 
@@ -429,7 +472,7 @@ def trace_stats(prob: Problem, sched: str, flush: torch.Tensor) -> str:
     def call(trace: torch.Tensor | None) -> None:
         vc.verify_attention_cuda(prob.q, p.k, prob.out, prob.cu_q, prob.t, prob.seq_lens, prob.ctx,
                                  p.head_size**-0.5, 0, prob.block_table, sched=sched, pdl=False,
-                                 trace=trace)  # fmt: skip
+                                 trace=trace, fuse=fuse)  # fmt: skip
 
     call(tr)
     torch.cuda.synchronize()
@@ -445,31 +488,40 @@ def trace_stats(prob: Problem, sched: str, flush: torch.Tensor) -> str:
     tiles = t[:, 4]
     q = lambda x: f"{x.min():.1f}/{x.median():.1f}/{x.max():.1f}"  # noqa: E731
     return (
-        f"trace {sched:>6}: call {e0.elapsed_time(e1) * 1e3:.1f} us (eager, incl. combine); "
+        f"trace {sched:>6}{'+fused' if fuse else ''}: call {e0.elapsed_time(e1) * 1e3:.1f} us "
+        f"(eager, incl. merge); "
         f"CTA start min/med/max {q(st)}; first tile landed {q(first)}; loop end {q(loop)}; "
         f"CTA end {q(end)}; first-tile wait per CTA med {(first - st).median():.1f}; "
         f"tiles/CTA {int(tiles.min())}..{int(tiles.max())}"
     )
 
 
-def fixed_cost(flush: torch.Tensor, bw: float, results: list, before_src: str | None) -> None:
-    """Issue 6's fixed per-call cost at 100K: scheduling / combine variants side by side."""
+def fixed_cost(
+    flush: torch.Tensor, bw: float, results: list, before_src: str | None, before_mod: Any = None
+) -> None:
+    """Issue 6's fixed per-call cost at 100K: scheduling / merge variants side by side.
+
+    ``fused*``: the merge inside the split kernel (HH_VERIFY_ATTENTION_FUSE), ``2node*``: the split
+    kernel then the combine kernel (the path up to 86a6d8f), ``-GSn``: first-level merge groups of
+    n splits; ``before``: the previous commit's default path (``--before-dir``)."""
     pool = make_pool(4 * 100_000 + 64, 16, HKV, D)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for t, b in ((1, 1), (8, 1), (1, 4), (8, 4)):
         prob = Problem(pool, b, 100_000, t, HQ)
         label = f"ctx=100000 T={t} b={b}"
         variants: dict[str, Callable[[], object]] = {}
+        if before_mod is not None:
+            variants["before"] = before_default(prob, before_mod)
         if before_src:
             variants["before-1344eca"] = before_call(prob, before_src)
         base_kw = {"sched": "static", "pdl": False}
         for name, kw in (
             ("default", {}),
-            ("static", base_kw), ("static-nocombine", {**base_kw, "combine": False}),
-            ("pdl", {"sched": "static", "pdl": True}), ("dyn", {"sched": "dyn", "pdl": False}),
-            ("dyn+pdl", {"sched": "dyn", "pdl": True}),
-            *[(f"dyn-S{s}", {"sched": "dyn", "pdl": False, "num_splits": s}) for s in (33, 99, 132)],
-            *[(f"static-S{s}", {**base_kw, "num_splits": s}) for s in (33, 99, 132)],
+            ("2node", {"fuse": False}), ("fused", {"fuse": True}),
+            ("2node-static", {**base_kw, "fuse": False}), ("fused-static", {**base_kw, "fuse": True}),
+            ("2node-dyn", {"sched": "dyn", "fuse": False}), ("fused-dyn", {"sched": "dyn", "fuse": True}),
+            *[(f"fused-GS{g}", {"fuse": True, "merge_group": g}) for g in (4, 16, 66)],
+            ("static-nocombine", {**base_kw, "combine": False}),
         ):  # fmt: skip
             variants[name] = prob.cuda_variant(**kw)
         us: dict[str, float] = {}
@@ -484,14 +536,14 @@ def fixed_cost(flush: torch.Tensor, bw: float, results: list, before_src: str | 
             r = row(f"{label} {name}", us[name], prob.int8_bytes, bw, None, err)
             results.append(r)
             print(fmt(r), flush=True)
-        ref = us.get("before-1344eca", us.get("static", 1.0))
+        ref = us.get("before", us.get("2node", 1.0))
         print(f"  {label}: " + ", ".join(
             f"{k} {v:.1f} ({100 * prob.int8_bytes / v / 1e3 / bw:.1f}%, {ref / v:.2f}x)" for k, v in us.items()
         ), flush=True)  # fmt: skip
         if b == 1:
-            for sched in ("static", "dyn"):
+            for sched, fuse in (("static", False), ("dyn", False), ("static", True), ("dyn", True)):
                 try:
-                    line = trace_stats(prob, sched, flush)
+                    line = trace_stats(prob, sched, flush, fuse)
                 except Exception as exc:  # noqa: BLE001
                     line = f"trace {sched}: {type(exc).__name__}: {str(exc)[:120]}"
                 results.append({"case": f"{label} {line}"})
@@ -526,7 +578,10 @@ def main() -> None:
     ap.add_argument("--profile-one", type=int, default=0, help="one launch at 100K, T=this")
     ap.add_argument("--fixed-cost", action="store_true", help="scheduling/combine variants at 100K")
     ap.add_argument("--fixed-cost-only", action="store_true", help="stop after --fixed-cost")
-    ap.add_argument("--before-src", default=None, help="the .cu of commit 1344eca, timed as 'before'")
+    ap.add_argument("--before-src", default=None, help="the .cu of commit 1344eca, timed as 'before-1344eca'")
+    ap.add_argument("--before-dir", default=None,
+                    help="a folder with the previous commit's cuda/__init__.py and verify_attention.cu: "
+                         "its default path is timed as 'before' beside ours")  # fmt: skip
     args = ap.parse_args()
     if args.profile_one:
         profile_one(args.profile_one)
@@ -542,9 +597,10 @@ def main() -> None:
     if vllm is None and not args.no_vllm:
         print("vLLM reference files not found: set VLLM_REF_DIR (see module docstring)")
 
+    before_mod = load_before(args.before_dir) if args.before_dir else None
     if args.fixed_cost or args.fixed_cost_only:
         before = Path(args.before_src).read_text() if args.before_src else None
-        fixed_cost(flush, bw, results, before)
+        fixed_cost(flush, bw, results, before, before_mod)
         if args.fixed_cost_only:
             if args.json:
                 Path(args.json).write_text(json.dumps(results, indent=1))
@@ -580,6 +636,7 @@ def main() -> None:
         results.append(r)
         print(fmt(r), flush=True)
         time_mma(prob, label, flush, bw, base, results, args)
+        time_before(prob, label, flush, bw, base, results, before_mod)
         if args.triton:
             fn = prob.triton()
             fn()
@@ -632,6 +689,7 @@ def main() -> None:
         results.append(r)
         print(fmt(r), flush=True)
         time_mma(prob, label, flush, bw, base, results, args)
+        time_before(prob, label, flush, bw, base, results, before_mod)
         if args.triton:
             fn = prob.triton()
             fn()

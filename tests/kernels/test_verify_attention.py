@@ -161,16 +161,38 @@ CUDA_CASES = [
 
 
 @gpu_only
+@pytest.mark.parametrize("fuse", ["1", "0"], ids=["fused", "2node"])
 @pytest.mark.parametrize("sched", ["dyn", "static"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), CUDA_CASES)
-def test_cuda_matches_reference(seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, sched, monkeypatch):
-    """The wgmma kernel with tiles from the per-unit counter (dyn) and with static splits."""
+def test_cuda_matches_reference(
+    seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, sched, fuse, monkeypatch
+):
+    """The wgmma kernel with tiles from the per-unit counter (dyn) and with static splits, the
+    partials merged inside the split kernel (fused) or by the combine kernel (2node)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the CUDA kernel runs on sm_90")
     monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")  # an error if it would fall back
     monkeypatch.setenv("HH_VERIFY_ATTENTION_SCHED", sched)
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_FUSE", fuse)
     run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
+
+
+FUSED_CASES = [c for c in CUDA_CASES if c.id in ("T40-qtiles-S5", "empty-splits-S40", "S150-combine-2-batches")]
+
+
+@gpu_only
+@pytest.mark.parametrize("group", [1, 2, 7, 1000])
+@pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), FUSED_CASES)
+def test_cuda_fused_merge_groups(seq_lens, q_lens, hq, hkv, d, page, window, splits, group, monkeypatch):
+    """Fused merge with first-level groups of 1 split (one flat second level), 2, 7 (a short last
+    group) and 1000 (one level: the group's last CTA writes out)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the CUDA kernel runs on sm_90")
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_FUSE", "1")
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_MERGE_GROUP", str(group))
+    run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits)
 
 
 PDL_CASES = [c for c in CUDA_CASES if c.id in ("B3-T9,16,1-S3", "D128-w2048", "empty-splits-S40")]
@@ -188,9 +210,11 @@ def test_cuda_pdl_combine(seq_lens, q_lens, hq, hkv, d, page, window, splits, mo
 
 
 @gpu_only
-@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
-def test_cuda_dyn_graph_replay(pdl, monkeypatch):
-    """Tile counters are back at zero after every launch, so CUDA-graph replays stay correct."""
+@pytest.mark.parametrize(("pdl", "fuse"), [(False, False), (True, False), (False, True)],
+                         ids=["plain", "pdl", "fused"])  # fmt: skip
+def test_cuda_dyn_graph_replay(pdl, fuse, monkeypatch):
+    """Tile and merge counters are back at zero after every launch, so CUDA-graph replays stay
+    correct."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the CUDA kernel runs on sm_90")
     from kernels.verify_attention import cuda as va_cuda
@@ -202,7 +226,7 @@ def test_cuda_dyn_graph_replay(pdl, monkeypatch):
 
     def call():
         va_cuda.verify_attention_cuda(q, cache.k, out, cu, 8, seq, 3001, 256**-0.5, 0, bt,
-                                      num_splits=7, sched="dyn", pdl=pdl)  # fmt: skip
+                                      num_splits=7, sched="dyn", pdl=pdl, fuse=fuse, merge_group=3)  # fmt: skip
 
     call()  # eager: compiles, allocates the counters
     torch.cuda.synchronize()
@@ -241,6 +265,17 @@ def test_cuda_ring_depth():
     assert pick_stages(256, 1, smem_bytes_wg) == 3
     assert pick_stages(128, 4, smem_bytes_wg) == 4
     assert pick_stages(256, 3) == 2  # the mma kernel, 48 rows as 3 m16 tiles
+
+
+def test_cuda_merge_groups():
+    """Fused merge: first-level groups of ~sqrt(splits); its scratch fits in the ring, Q and P."""
+    from kernels.verify_attention.cuda import merge_fits, merge_group_for
+
+    assert merge_group_for(66) == 9  # the last CTA reads 9 + 8 partials, not 66
+    assert merge_group_for(2) == 2 and merge_group_for(150) == 13
+    assert merge_fits(256, 6, 2, 150, 1)  # 48 rows x 150 slots, flat second level
+    assert merge_fits(128, 6, 2, 66, 9)
+    assert not merge_fits(128, 6, 2, 1000, 1)
 
 
 def test_cuda_split_rule():

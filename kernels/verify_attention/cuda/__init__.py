@@ -80,6 +80,32 @@ def default_pdl() -> bool:
     return os.environ.get("HH_VERIFY_ATTENTION_PDL", "0") == "1"
 
 
+def default_fuse(n8: int) -> bool:
+    """HH_VERIFY_ATTENTION_FUSE: auto (default), 1 (merge inside the split kernel: last arrivals
+    per unit, two levels) or 0 (a separate combine kernel: the path up to 86a6d8f).
+
+    auto = 0 until the fused merge is measured against the two-node path on the H200."""
+    kind = os.environ.get("HH_VERIFY_ATTENTION_FUSE", "auto").lower()
+    if kind not in ("auto", "1", "0"):
+        raise ValueError(f"HH_VERIFY_ATTENTION_FUSE={kind!r}: auto, 1 or 0")
+    return kind == "1"
+
+
+def merge_group_for(num_splits: int) -> int:
+    """Splits per first-level merge group of the fused merge (HH_VERIFY_ATTENTION_MERGE_GROUP,
+    default ceil(sqrt(splits))): the last CTA to finish reads at most GS + ceil(S / GS) partials,
+    fewest at GS ~ sqrt(S) (66 splits: 9 + 8 instead of 66)."""
+    gs = int(os.environ.get("HH_VERIFY_ATTENTION_MERGE_GROUP", "0"))
+    return max(1, gs) if gs > 0 else max(1, math.isqrt(num_splits - 1) + 1)
+
+
+def merge_fits(d: int, n8: int, stages: int, num_splits: int, gs: int) -> bool:
+    """The fused merge's scratch (2 rows n + rows floats, n = GS or NG) fits in the ring, Q and P."""
+    rows = 8 * n8
+    n = max(min(gs, num_splits), -(-num_splits // gs))
+    return 4 * (2 * rows * n + rows) <= stages * BN * (2 * d + 16) + rows * 2 * d + rows * 2 * BN
+
+
 @functools.lru_cache(maxsize=None)
 def _source() -> str:
     return SOURCE.read_text()
@@ -130,8 +156,9 @@ def split_variant(d: int, n8: int, bf16: bool, sched: str, stages: int | None = 
     return name, smem_bytes_wg(d, n8, stages)
 
 
-# Per-device tile counters of the DYN kernel: int32 per (request, query tile, KV head), zero
-# between launches (each launch's last CTA per unit resets its own). Allocated on the first
+# Per-device counters of the wgmma kernel: int32, the DYN tile counters (one per (request, query
+# tile, KV head) unit) then the fused merge's arrival counters (NG + 1 per unit), zero between
+# launches (each launch's last arrival at a counter resets it). Allocated on the first
 # (eager) call and grown only outside a CUDA-graph capture; launches using it must be ordered on
 # one stream (two concurrent launches on different streams would share counters).
 _COUNTERS: dict[int, torch.Tensor] = {}
@@ -287,6 +314,8 @@ def verify_attention_cuda(
     sched: str | None = None,
     pdl: bool | None = None,
     trace: torch.Tensor | None = None,
+    fuse: bool | None = None,
+    merge_group: int | None = None,
 ) -> torch.Tensor:
     """Launch; the contract is ``kernels.verify_attention.verify_attention``'s (window = W or 0).
 
@@ -294,7 +323,9 @@ def verify_attention_cuda(
     (out is then not written): both for timing experiments only. ``kernel``: "wgmma" or "mma"
     (None: ``default_kernel()``). wgmma only: ``sched`` "dyn" / "static" (None:
     ``default_sched(n8)``), ``pdl`` launches the combine with programmatic dependent launch (None:
-    ``default_pdl()``), ``trace`` an int64 [CTAs, 8] tensor for per-CTA %globaltimer stamps."""
+    ``default_pdl()``), ``trace`` an int64 [CTAs, 8] tensor for per-CTA %globaltimer stamps,
+    ``fuse`` merges the partials inside the split kernel (None: ``default_fuse(n8)``) in groups
+    of ``merge_group`` splits (None: ``merge_group_for``)."""
     num_tokens, num_q_heads, d = q.shape
     num_seqs = seqused_k.shape[0]
     hkv = k.shape[2]
@@ -308,9 +339,15 @@ def verify_attention_cuda(
     wgmma = (kernel or default_kernel()) == "wgmma"
     sched = (sched or default_sched(n8)) if num_splits > 1 else "static"
     pdl = default_pdl() if pdl is None else pdl
+    gs = 0  # fused merge: splits per first-level group (0: the combine kernel merges)
     if wgmma:
         split_kernel = _compiled(*split_variant(d, n8, bf16 == "true", sched, stages))
-        smem = smem_bytes_wg(d, n8, stages or pick_stages(d, n8, smem_bytes_wg))
+        stages = stages or pick_stages(d, n8, smem_bytes_wg)
+        smem = smem_bytes_wg(d, n8, stages)
+        fuse = default_fuse(n8) if fuse is None else fuse
+        if fuse and combine and num_splits > 1:
+            gs = merge_group or merge_group_for(num_splits)
+            gs = gs if merge_fits(d, n8, stages, num_splits, gs) else 0
     else:
         stages = stages or pick_stages(d, mt)
         smem = smem_bytes(d, mt, stages)
@@ -320,6 +357,9 @@ def verify_attention_cuda(
         part_ml = torch.empty(num_tokens, num_q_heads, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
+    # Counters (one int32 buffer): [units] DYN tiles, then [units][NG + 1] fused-merge arrivals.
+    units = num_seqs * n_qt * hkv
+    ng = -(-num_splits // gs) if gs else 0
     split_kernel(
         grid=(hkv * n_qt * num_splits, num_seqs, 1),
         block=(THREADS, 1, 1),
@@ -329,12 +369,13 @@ def verify_attention_cuda(
             k.shape[1], hkv, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k.stride(0), k.stride(1), k.stride(2), block_table.stride(0),
         ] + ([
-            _counters(q.device, num_seqs * n_qt * hkv) if sched == "dyn" else out,
+            _counters(q.device, units * (ng + 2)) if sched == "dyn" else out,
             trace if trace is not None else out, int(trace is not None),
+            gs, _counters(q.device, units * (ng + 2))[units:] if gs else out,
         ] if wgmma else []),
         shared_mem=smem,
     )  # fmt: skip
-    if num_splits > 1 and num_tokens and combine:
+    if num_splits > 1 and num_tokens and combine and not gs:
         rows = num_tokens * num_q_heads
         # verify_attn_combine_w (one warp per row x 8 dims, lane = split) from 32 splits; below
         # that most of its lanes idle (H200, drafter w=2048 T=8 b4: 30.8 vs 25.5 µs; NOTES.md).

@@ -159,6 +159,105 @@ DI u32 smid() {
   return r;
 }
 
+
+// ---- Shared by both split kernels (verify_attn_split, verify_attn_split_wg) ----
+
+// Block-table lookup of one key (blk = -1 past n_end: its copy zero-fills).
+DI void lookup_key(int key, int n_end, int page, const int* bt_row, int& blk, int& slot) {
+  blk = -1, slot = 0;
+  if (key < n_end) {
+    const int lp = key / page;
+    slot = key - lp * page;
+    blk = bt_row[lp];
+  }
+}
+
+// Copy the record windows of one warp's 16 keys kb.. kb + 15 into the ring rows at dst (pitch
+// 2 D + 16 bytes). Lane i < 16 holds key kb + i's block / slot. A copy round moves D / 8 chunks
+// of 256 / D keys (512 contiguous bytes per key at D = 256); one last round the final chunk of
+// all 16 keys. Keys at or past n_end are zero-filled (no read). head_off = h * stride_kv_head -
+// shift: the window starts shift (0 or 8) bytes before the record.
+template <int D>
+DI void copy_keys16(u32 dst, const signed char* kv, int blk, int slot, i64 head_off,
+                    int stride_kv_blk, int stride_kv_slot, int kb, int n_end, int lane) {
+  constexpr int RP = 2 * D + 16;
+  constexpr int CK = D / 8;     // chunks per key in the main rounds (RP / 16 = CK + 1)
+  constexpr int KPR = 32 / CK;  // keys per main round
+  u64 src = reinterpret_cast<u64>(kv);
+  if (blk >= 0) src += (u64)((i64)blk * stride_kv_blk + (i64)slot * stride_kv_slot + head_off);
+  const int kl = lane / CK, ch = lane % CK;
+#pragma unroll
+  for (int r = 0; r < 16 / KPR; ++r) {
+    const int kk = r * KPR + kl;
+    const u64 a = ((u64)shfl_idx((u32)(src >> 32), kk) << 32) | shfl_idx((u32)src, kk);
+    const bool ok = kb + kk < n_end;
+    cp_async16(dst + kk * RP + ch * 16, ok ? a + ch * 16 : a, ok ? 16 : 0);
+  }
+  if (lane < 16) {
+    const bool ok = blk >= 0;
+    cp_async16(dst + lane * RP + CK * 16, ok ? src + CK * 16 : src, ok ? 16 : 0);
+  }
+}
+
+// Epilogue of both split kernels. Thread (warp, g, c) holds query rows 8 j + 2 c + e of its
+// warp's D / 4 output dims, permuted: value f = 4 wd + jj (dim warp * D / 4 + 4 g + 32 wd + jj) of
+// a row is acc[f % MTD][j][2 (f / MTD) + e]. red_s [4][R]: the warps' row sums; m_s [R]: running
+// max. One split: normalised rows -> out. Several: split `split`'s fp32 partial (unnormalised
+// accumulator, max in log2 units, sum) -> part_acc / part_ml [N, Hq, num_splits, D | 2].
+template <int D, int N8, int R, bool BF16>
+DI void store_rows(const float (&acc)[D / 64][N8][4], const float* red_s, const float* m_s,
+                   int rows, int G, i64 tok0, int h, int Hq, int split, int num_splits,
+                   unsigned short* out, int stride_o_tok, int stride_o_head, float* part_acc,
+                   float* part_ml, int warp, int g, int c) {
+  constexpr int NW = 4, DW = D / NW, MTD = DW / 16, WV = DW / 32;
+#pragma unroll
+  for (int j = 0; j < N8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int row = 8 * j + 2 * c + e;
+      if (row >= rows) continue;
+      float l = 0.f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) l += red_s[w * R + row];
+      const int t = row / G, grp = row - (row / G) * G;
+      const i64 tok = tok0 + t;
+      const int hq = h * G + grp;
+      if (num_splits == 1) {
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        unsigned short* o = out + tok * stride_o_tok + (i64)hq * stride_o_head + warp * DW + 4 * g;
+#pragma unroll
+        for (int wd = 0; wd < WV; ++wd) {
+          float v[4];
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            const int f = 4 * wd + jj;
+            v[jj] = acc[f % MTD][j][2 * (f / MTD) + e] * inv;
+          }
+          uint2 pk;
+          pk.x = pack_out<BF16>(v[0], v[1]);
+          pk.y = pack_out<BF16>(v[2], v[3]);
+          *reinterpret_cast<uint2*>(o + 32 * wd) = pk;
+        }
+      } else {
+        const i64 pr = (tok * Hq + hq) * num_splits + split;
+        float* pa = part_acc + pr * D + warp * DW + 4 * g;
+#pragma unroll
+        for (int wd = 0; wd < WV; ++wd) {
+          float4 v;
+          v.x = acc[(4 * wd + 0) % MTD][j][2 * ((4 * wd + 0) / MTD) + e];
+          v.y = acc[(4 * wd + 1) % MTD][j][2 * ((4 * wd + 1) / MTD) + e];
+          v.z = acc[(4 * wd + 2) % MTD][j][2 * ((4 * wd + 2) / MTD) + e];
+          v.w = acc[(4 * wd + 3) % MTD][j][2 * ((4 * wd + 3) / MTD) + e];
+          *reinterpret_cast<float4*>(pa + 32 * wd) = v;
+        }
+        if (warp == 0 && g == 0) {
+          part_ml[pr * 2] = m_s[row];
+          part_ml[pr * 2 + 1] = l;
+        }
+      }
+    }
+}
+
 }  // namespace va
 
 // Threads per CTA and keys per tile (shared with the launcher in __init__.py).
@@ -237,35 +336,14 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split(
   // all 16 keys. Keys past the split's end are zero-filled (no read): scale 0, masked anyway.
   // The block-table entry of each key is loaded one tile ahead of its copy (lookup), so the
   // dependent global load does not stall the warp at the top of every tile (ncu: long scoreboard).
+  const int* const bt_row = block_table + (i64)b * stride_bt;
+  const i64 head_off = (i64)h * stride_kv_head - shift;
   auto lookup = [&](int tile, int& blk, int& slot) {
-    const int key = n_start + tile * BN + warp * 16 + (lane & 15);
-    blk = -1, slot = 0;
-    if (tile < ntiles && key < n_end) {
-      const int lp = key / page;
-      slot = key - lp * page;
-      blk = block_table[(i64)b * stride_bt + lp];
-    }
+    lookup_key(n_start + tile * BN + warp * 16 + (lane & 15), n_end, page, bt_row, blk, slot);
   };
   auto issue = [&](int tile, int blk, int slot) {
-    constexpr int CK = D / 8;     // chunks per key in the main rounds (RP / 16 = CK + 1)
-    constexpr int KPR = 32 / CK;  // keys per main round
-    const int kb = n_start + tile * BN + warp * 16;
-    u64 src = reinterpret_cast<u64>(kv);
-    if (blk >= 0)
-      src += (u64)((i64)blk * stride_kv_blk + (i64)slot * stride_kv_slot + (i64)h * stride_kv_head - shift);
-    const u32 dst = kv_s + (tile % STAGES) * (BN * RP) + warp * 16 * RP;
-    const int kl = lane / CK, ch = lane % CK;
-#pragma unroll
-    for (int r = 0; r < 16 / KPR; ++r) {
-      const int kk = r * KPR + kl;
-      const u64 a = ((u64)shfl_idx((u32)(src >> 32), kk) << 32) | shfl_idx((u32)src, kk);
-      const bool ok = kb + kk < n_end;
-      cp_async16(dst + kk * RP + ch * 16, ok ? a + ch * 16 : a, ok ? 16 : 0);
-    }
-    if (lane < 16) {
-      const bool ok = blk >= 0;
-      cp_async16(dst + lane * RP + CK * 16, ok ? src + CK * 16 : src, ok ? 16 : 0);
-    }
+    copy_keys16<D>(kv_s + (tile % STAGES) * (BN * RP) + warp * 16 * RP, kv, blk, slot, head_off,
+                   stride_kv_blk, stride_kv_slot, n_start + tile * BN + warp * 16, n_end, lane);
   };
 
   int nblk, nslot;  // block-table lookup of the next tile to copy
@@ -512,52 +590,9 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split(
     }
   __syncthreads();
 
-#pragma unroll
-  for (int j = 0; j < N8; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int row = 8 * j + 2 * c + e;
-      if (row >= rows) continue;
-      float l = 0.f;
-#pragma unroll
-      for (int w = 0; w < NW; ++w) l += red_s[w * R + row];
-      const int t = row / G, grp = row - (row / G) * G;
-      const i64 tok = q_start + q_lo + t;
-      const int hq = h * G + grp;
-      if (num_splits == 1) {
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        unsigned short* o = out + tok * stride_o_tok + (i64)hq * stride_o_head + warp * DW + 4 * g;
-#pragma unroll
-        for (int wd = 0; wd < WV; ++wd) {
-          float v[4];
-#pragma unroll
-          for (int jj = 0; jj < 4; ++jj) {
-            const int f = 4 * wd + jj;
-            v[jj] = acc[f % MTD][j][2 * (f / MTD) + e] * inv;
-          }
-          uint2 pk;
-          pk.x = pack_out<BF16>(v[0], v[1]);
-          pk.y = pack_out<BF16>(v[2], v[3]);
-          *reinterpret_cast<uint2*>(o + 32 * wd) = pk;
-        }
-      } else {
-        const i64 pr = (tok * Hq + hq) * num_splits + split;
-        float* pa = part_acc + pr * D + warp * DW + 4 * g;
-#pragma unroll
-        for (int wd = 0; wd < WV; ++wd) {
-          float4 v;
-          v.x = acc[(4 * wd + 0) % MTD][j][2 * ((4 * wd + 0) / MTD) + e];
-          v.y = acc[(4 * wd + 1) % MTD][j][2 * ((4 * wd + 1) / MTD) + e];
-          v.z = acc[(4 * wd + 2) % MTD][j][2 * ((4 * wd + 2) / MTD) + e];
-          v.w = acc[(4 * wd + 3) % MTD][j][2 * ((4 * wd + 3) / MTD) + e];
-          *reinterpret_cast<float4*>(pa + 32 * wd) = v;
-        }
-        if (warp == 0 && g == 0) {
-          part_ml[pr * 2] = m_s[row];
-          part_ml[pr * 2 + 1] = l;
-        }
-      }
-    }
+  store_rows<D, N8, R, BF16>(acc, red_s, m_s, rows, G, (i64)q_start + q_lo, h, Hq, split,
+                            num_splits, out, stride_o_tok, stride_o_head, part_acc, part_ml, warp,
+                            g, c);
 }
 
 // Merge the splits' partials: one CTA of 256 threads per (token, query head). The partials were
@@ -812,6 +847,136 @@ DI void wgmma_rs<6>(float (&d)[6][4], const u32 (&a)[4], u64 desc) {
 }
 }  // namespace va
 
+namespace va {
+// ---- Fused merge (verify_attn_split_wg with merge_group > 0): no second kernel node.
+// Why: at 100K T=1 b1 the split kernel alone ran 64.7 µs, the call with the combine launch 73.5-
+// 76.7 µs (H200, NOTES.md); the combine's own run is 1-2 µs of that, the rest is the graph's node
+// boundary. Here the splits of a unit (request, query tile, KV head) arrive at per-unit counters
+// after writing their partials, and the last arrivals merge: two levels, so no CTA reads all
+// splits' partials (at T=8 one split's partial is 48 rows x 1 KB). Splits are grouped by
+// merge_group = GS consecutive indices; the last CTA to arrive in a group merges the group's GS
+// partials into the group's first slot (still unnormalised, with its max and sum), then arrives
+// at the unit's top counter; the last of the NG = ceil(S / GS) group mergers merges the NG group
+// partials into out (NG = 1: the group merger writes out). Critical path: GS + NG partials, not S.
+// Each counter is reset by its last arrival, so the next launch (a CUDA-graph replay) starts at 0.
+DI float4 ldcg4(const float* p) {
+  float4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
+DI float2 ldcg2(const float* p) {
+  float2 v;
+  asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "l"(p));
+  return v;
+}
+
+// Merge the n partial slots s0 + j ss (j < n) of one unit's rows (row r: token tok0 + r / G, query
+// head h G + r % G). dst >= 0: the merged, unnormalised partial -> slot dst; dst < 0: the
+// normalised rows -> out. All 128 threads; ws: shared scratch of 2 rows n + rows floats. Loads
+// go through L2 (ld.cg: the partials were written by other SMs); 16 float4 loads per thread are in
+// flight before the first use. Not inlined: inlined, it cost the 48-row kernel 16 bytes of
+// spills (ptxas 13.0, 255 registers); as a call, the main loop's registers are dead at the call.
+template <int D, bool BF16>
+__device__ __noinline__ void merge_partials(float* part_acc, float* part_ml, int num_splits, int s0, int ss, int n,
+                       int dst, int rows, int G, i64 tok0, int h, int Hq, unsigned short* out,
+                       int stride_o_tok, int stride_o_head, float* ws, int tid) {
+  constexpr int T = 128, C4 = D / 4, U = 8;  // float4 per row; splits per load batch
+  float* wl = ws + rows * n;                  // [rows][n]: the splits' sums
+  float* inv_s = wl + rows * n;               // [rows]: 1 / merged sum (dst < 0)
+  auto row_base = [&](int r) -> i64 {          // partial index of (row r, split 0)
+    const int t = r / G;
+    return ((tok0 + t) * Hq + h * G + (r - t * G)) * num_splits;
+  };
+  for (int i = tid; i < rows * n; i += T) {
+    const int r = i / n, j = i - r * n;
+    const float2 ml = ldcg2(part_ml + 2 * (row_base(r) + s0 + j * ss));
+    ws[i] = ml.x, wl[i] = ml.y;
+  }
+  __syncthreads();
+  if (tid < rows) {  // per row: max, weights (m = -inf: no visible key in that slot), sum
+    float mx = NEG_INF, den = 0.f;
+    for (int j = 0; j < n; ++j) mx = fmaxf(mx, ws[tid * n + j]);
+    for (int j = 0; j < n; ++j) {
+      const float m = ws[tid * n + j];
+      const float w = m == NEG_INF ? 0.f : ex2(m - mx);
+      ws[tid * n + j] = w;
+      den += w * wl[tid * n + j];
+    }
+    if (dst >= 0) {
+      float* o = part_ml + 2 * (row_base(tid) + dst);
+      o[0] = mx, o[1] = den;
+    } else {
+      inv_s[tid] = den > 0.f ? 1.f / den : 0.f;
+    }
+  }
+  __syncthreads();
+  for (int e0 = tid; e0 < rows * C4; e0 += 2 * T) {
+    float4 a[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) a[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j0 = 0; j0 < n; j0 += U) {
+      float4 v[2][U];
+      float w[2][U];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int e = e0 + u * T;
+        const int r = e < rows * C4 ? e / C4 : 0;
+        const float* pa = part_acc + row_base(r) * D + 4 * (e - r * C4);
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+          const int j = j0 + k;
+          w[u][k] = e < rows * C4 && j < n ? ws[r * n + j] : 0.f;
+          v[u][k] = w[u][k] > 0.f ? ldcg4(pa + (i64)(s0 + j * ss) * D) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+          a[u].x += w[u][k] * v[u][k].x, a[u].y += w[u][k] * v[u][k].y;
+          a[u].z += w[u][k] * v[u][k].z, a[u].w += w[u][k] * v[u][k].w;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int e = e0 + u * T;
+      if (e >= rows * C4) continue;
+      const int r = e / C4, d4 = e - r * C4;
+      if (dst >= 0) {
+        *reinterpret_cast<float4*>(part_acc + (row_base(r) + dst) * D + 4 * d4) = a[u];
+      } else {
+        const int t = r / G;
+        const float inv = inv_s[r];
+        uint2 pk;
+        pk.x = pack_out<BF16>(a[u].x * inv, a[u].y * inv);
+        pk.y = pack_out<BF16>(a[u].z * inv, a[u].w * inv);
+        *reinterpret_cast<uint2*>(out + (tok0 + t) * stride_o_tok + (i64)(h * G + r - t * G) * stride_o_head +
+                                  4 * d4) = pk;
+      }
+    }
+  }
+}
+
+// Arrive at *ctr after this CTA's global writes (release: every thread fences, then one atomic);
+// true for the last of `count` arrivals, which resets the counter and fences before reading
+// what the others wrote (acquire). flag: a shared int. Called by all threads of the CTA.
+DI bool arrive_last(int* ctr, int count, int* flag, int tid) {
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    const bool last = atomicAdd(ctr, 1) == count - 1;
+    if (last) {
+      atomicExch(ctr, 0);
+      __threadfence();
+    }
+    *flag = last;
+  }
+  __syncthreads();
+  return *flag != 0;
+}
+}  // namespace va
+
 // Template parameters as verify_attn_split's, minus MT (query rows <= 8 N8, padded to 8 N8);
 // DYN: tiles handed out by a per-unit counter (see "Dynamic tiles" below), else static splits.
 template <int D, int N8, int STAGES, bool BF16, bool DYN>
@@ -831,7 +996,10 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
     int stride_kv_blk, int stride_kv_slot, int stride_kv_head, int stride_bt,
     int* __restrict__ tile_ctr,            // DYN: [B, num_q_tiles, num_kv_heads], zero between calls
     u64* __restrict__ trace_buf,           // [CTAs][8] %globaltimer stamps when trace_on (bench.py)
-    int trace_on) {
+    int trace_on,
+    int merge_group,                       // > 0: merge in this kernel, groups of this many splits
+    int* __restrict__ merge_ctr) {         // merge_group > 0: [units][NG + 1], zero between calls
+
   using namespace va;
   u64* const trace = trace_on ? trace_buf : nullptr;
   const u64 t_start = trace ? globaltimer() : 0;
@@ -905,35 +1073,14 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
   if (DYN && tid == 0) grab = atomicAdd(ctr, 1);  // index of tile STAGES + 1
 
   // ---- K/V tile loads: as in verify_attn_split (kb0 = the tile's first key, < n_end).
+  const int* const bt_row = block_table + (i64)b * stride_bt;
+  const i64 head_off = (i64)h * stride_kv_head - shift;
   auto lookup = [&](int kb0, int& blk, int& slot) {
-    const int key = kb0 + warp * 16 + (lane & 15);
-    blk = -1, slot = 0;
-    if (key < n_end) {
-      const int lp = key / page;
-      slot = key - lp * page;
-      blk = block_table[(i64)b * stride_bt + lp];
-    }
+    lookup_key(kb0 + warp * 16 + (lane & 15), n_end, page, bt_row, blk, slot);
   };
   auto issue = [&](int tile, int kb0, int blk, int slot) {
-    constexpr int CK = D / 8;
-    constexpr int KPR = 32 / CK;
-    const int kb = kb0 + warp * 16;
-    u64 src = reinterpret_cast<u64>(kv);
-    if (blk >= 0)
-      src += (u64)((i64)blk * stride_kv_blk + (i64)slot * stride_kv_slot + (i64)h * stride_kv_head - shift);
-    const u32 dst = kv_s + (tile % STAGES) * (BN * RP) + warp * 16 * RP;
-    const int kl = lane / CK, ch = lane % CK;
-#pragma unroll
-    for (int r = 0; r < 16 / KPR; ++r) {
-      const int kk = r * KPR + kl;
-      const u64 a = ((u64)shfl_idx((u32)(src >> 32), kk) << 32) | shfl_idx((u32)src, kk);
-      const bool ok = kb + kk < n_end;
-      cp_async16(dst + kk * RP + ch * 16, ok ? a + ch * 16 : a, ok ? 16 : 0);
-    }
-    if (lane < 16) {
-      const bool ok = blk >= 0;
-      cp_async16(dst + lane * RP + CK * 16, ok ? src + CK * 16 : src, ok ? 16 : 0);
-    }
+    copy_keys16<D>(kv_s + (tile % STAGES) * (BN * RP) + warp * 16 * RP, kv, blk, slot, head_off,
+                   stride_kv_blk, stride_kv_slot, kb0 + warp * 16, n_end, lane);
   };
 
   int nblk, nslot;
@@ -1177,51 +1324,25 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
     }
   __syncthreads();
 
-#pragma unroll
-  for (int j = 0; j < N8; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int row = 8 * j + 2 * c + e;
-      if (row >= rows) continue;
-      float l = 0.f;
-#pragma unroll
-      for (int w = 0; w < NW; ++w) l += red_s[w * R + row];
-      const int t = row / G, grp = row - (row / G) * G;
-      const i64 tok = q_start + q_lo + t;
-      const int hq = h * G + grp;
-      if (num_splits == 1) {
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        unsigned short* o = out + tok * stride_o_tok + (i64)hq * stride_o_head + warp * DW + 4 * g;
-#pragma unroll
-        for (int wd = 0; wd < WV; ++wd) {
-          float v[4];
-#pragma unroll
-          for (int jj = 0; jj < 4; ++jj) {
-            const int f = 4 * wd + jj;
-            v[jj] = acc[f % MTD][j][2 * (f / MTD) + e] * inv;
-          }
-          uint2 pk;
-          pk.x = pack_out<BF16>(v[0], v[1]);
-          pk.y = pack_out<BF16>(v[2], v[3]);
-          *reinterpret_cast<uint2*>(o + 32 * wd) = pk;
-        }
-      } else {
-        const i64 pr = (tok * Hq + hq) * num_splits + split;
-        float* pa = part_acc + pr * D + warp * DW + 4 * g;
-#pragma unroll
-        for (int wd = 0; wd < WV; ++wd) {
-          float4 v;
-          v.x = acc[(4 * wd + 0) % MTD][j][2 * ((4 * wd + 0) / MTD) + e];
-          v.y = acc[(4 * wd + 1) % MTD][j][2 * ((4 * wd + 1) / MTD) + e];
-          v.z = acc[(4 * wd + 2) % MTD][j][2 * ((4 * wd + 2) / MTD) + e];
-          v.w = acc[(4 * wd + 3) % MTD][j][2 * ((4 * wd + 3) / MTD) + e];
-          *reinterpret_cast<float4*>(pa + 32 * wd) = v;
-        }
-        if (warp == 0 && g == 0) {
-          part_ml[pr * 2] = m_s[row];
-          part_ml[pr * 2 + 1] = l;
-        }
-      }
+  store_rows<D, N8, R, BF16>(acc, red_s, m_s, rows, G, (i64)q_start + q_lo, h, Hq, split,
+                            num_splits, out, stride_o_tok, stride_o_head, part_acc, part_ml, warp,
+                            g, c);
+  if (merge_group > 0 && num_splits > 1) {  // fused merge (see merge_partials)
+    const int ng = (num_splits + merge_group - 1) / merge_group;
+    // From blockIdx again (not kept live across the main loop: at 48 rows every register counts).
+    const int upr = num_q_tiles * num_kv_heads;  // units per request; blockIdx.x = split * upr + unit
+    const int gi = (int)(blockIdx.x / upr) / merge_group, s0 = gi * merge_group;
+    int* const uc = merge_ctr + ((i64)blockIdx.y * upr + blockIdx.x % upr) * (ng + 1);
+    float* const ws = reinterpret_cast<float*>(wsmem);  // ring, Q and P: free now
+    const i64 tok0 = (i64)q_start + q_lo;
+    const int gsize = min(merge_group, num_splits - s0);
+    if (arrive_last(uc + gi, gsize, idx_s, tid)) {  // last of its group: merge the group
+      merge_partials<D, BF16>(part_acc, part_ml, num_splits, s0, 1, gsize, ng > 1 ? s0 : -1, rows,
+                              G, tok0, h, Hq, out, stride_o_tok, stride_o_head, ws, tid);
+      if (ng > 1 && arrive_last(uc + ng, ng, idx_s + 1, tid))  // last group: merge the groups
+        merge_partials<D, BF16>(part_acc, part_ml, num_splits, 0, merge_group, ng, -1, rows, G,
+                                tok0, h, Hq, out, stride_o_tok, stride_o_head, ws, tid);
     }
+  }
   if (tr && tid == 0) tr[3] = globaltimer();
 }
