@@ -185,8 +185,9 @@ FUSED_CASES = [c for c in CUDA_CASES if c.id in ("T40-qtiles-S5", "empty-splits-
 @pytest.mark.parametrize("group", [1, 2, 7, 1000])
 @pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), FUSED_CASES)
 def test_cuda_fused_merge_groups(seq_lens, q_lens, hq, hkv, d, page, window, splits, group, monkeypatch):
-    """Fused merge with first-level groups of 1 split (one flat second level), 2, 7 (a short last
-    group) and 1000 (one level: the group's last CTA writes out)."""
+    """Fused merge with first-level groups of 1 split (one flat second level; at 150 splits too
+    large for the scratch: the combine kernel runs), 2, 7 (a short last group) and 1000 (one
+    level: the group's last CTA writes out)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the CUDA kernel runs on sm_90")
     monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")
@@ -273,9 +274,10 @@ def test_cuda_merge_groups():
 
     assert merge_group_for(66) == 9  # the last CTA reads 9 + 8 partials, not 66
     assert merge_group_for(2) == 2 and merge_group_for(150) == 13
-    assert merge_fits(256, 6, 2, 150, 1)  # 48 rows x 150 slots, flat second level
+    assert merge_fits(256, 6, 2, 66, 9) and merge_fits(256, 1, 3, 66, 66)  # 66 KB of 106 KB
+    assert merge_fits(256, 6, 2, 40, 1)  # flat second level over 40 splits
+    assert not merge_fits(256, 6, 2, 150, 1)  # 150 KB per row: the launcher runs the combine
     assert merge_fits(128, 6, 2, 66, 9)
-    assert not merge_fits(128, 6, 2, 1000, 1)
 
 
 def test_cuda_split_rule():

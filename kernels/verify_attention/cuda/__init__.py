@@ -100,10 +100,11 @@ def merge_group_for(num_splits: int) -> int:
 
 
 def merge_fits(d: int, n8: int, stages: int, num_splits: int, gs: int) -> bool:
-    """The fused merge's scratch (2 rows n + rows floats, n = GS or NG) fits in the ring, Q and P."""
+    """One row of the fused merge (n = GS or NG partials of D fp32 + (max, sum), and 1 / sum) fits
+    in its shared scratch: the ring, Q and P of verify_attn_split_wg (SCRATCH in the .cu)."""
     rows = 8 * n8
     n = max(min(gs, num_splits), -(-num_splits // gs))
-    return 4 * (2 * rows * n + rows) <= stages * BN * (2 * d + 16) + rows * 2 * d + rows * 2 * BN
+    return n * (4 * d + 8) + 4 <= stages * BN * (2 * d + 16) + rows * 2 * d + rows * 2 * BN
 
 
 @functools.lru_cache(maxsize=None)

@@ -859,12 +859,6 @@ namespace va {
 // at the unit's top counter; the last of the NG = ceil(S / GS) group mergers merges the NG group
 // partials into out (NG = 1: the group merger writes out). Critical path: GS + NG partials, not S.
 // Each counter is reset by its last arrival, so the next launch (a CUDA-graph replay) starts at 0.
-DI float4 ldcg4(const float* p) {
-  float4 v;
-  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
-  return v;
-}
 DI float2 ldcg2(const float* p) {
   float2 v;
   asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "l"(p));
@@ -873,103 +867,97 @@ DI float2 ldcg2(const float* p) {
 
 // Merge the n partial slots s0 + j ss (j < n) of one unit's rows (row r: token tok0 + r / G, query
 // head h G + r % G). dst >= 0: the merged, unnormalised partial -> slot dst; dst < 0: the
-// normalised rows -> out. All 128 threads; ws: shared scratch of 2 rows n + rows floats. Loads
-// go through L2 (ld.cg: the partials were written by other SMs); 16 float4 loads per thread are in
-// flight before the first use. Not inlined: inlined, it cost the 48-row kernel 16 bytes of
-// spills (ptxas 13.0, 255 registers); as a call, the main loop's registers are dead at the call.
+// normalised rows -> out. All 128 threads. Rows go in chunks that fit the shared scratch (the
+// free ring, Q and P): a chunk's partials are staged with 16-byte cp.async through L2 (so every
+// thread has many copies in flight: one memory round trip per chunk, not one per load batch; the
+// first version, register loads 16 in flight per thread, spent ~12 µs merging at 100K T=1 b1),
+// the (max, sum) pairs with ld.cg, then weights per row and the sums come from shared memory.
+// Not inlined: inlined, a merge cost the 48-row kernel spills (ptxas 13.0, 255 registers).
 template <int D, bool BF16>
-__device__ __noinline__ void merge_partials(float* part_acc, float* part_ml, int num_splits, int s0, int ss, int n,
-                       int dst, int rows, int G, i64 tok0, int h, int Hq, unsigned short* out,
-                       int stride_o_tok, int stride_o_head, float* ws, int tid) {
-  constexpr int T = 128, C4 = D / 4, U = 8;  // float4 per row; splits per load batch
-  float* wl = ws + rows * n;                  // [rows][n]: the splits' sums
-  float* inv_s = wl + rows * n;               // [rows]: 1 / merged sum (dst < 0)
-  auto row_base = [&](int r) -> i64 {          // partial index of (row r, split 0)
+__device__ __noinline__ void merge_partials(float* part_acc, float* part_ml, int num_splits, int s0,
+                                            int ss, int n, int dst, int rows, int G, i64 tok0, int h,
+                                            int Hq, unsigned short* out, int stride_o_tok,
+                                            int stride_o_head, unsigned char* scratch,
+                                            int scratch_bytes, int tid) {
+  constexpr int T = 128, C4 = D / 4;  // float4 per row
+  const u32 sa = smem_addr(scratch);
+  float* const sf = reinterpret_cast<float*>(scratch);
+  const int rpc = max(1, scratch_bytes / (n * (4 * D + 8) + 4));  // rows per chunk (launcher: >= 1)
+  auto row_base = [&](int r) -> i64 {  // partial index of (row r, split 0)
     const int t = r / G;
     return ((tok0 + t) * Hq + h * G + (r - t * G)) * num_splits;
   };
-  for (int i = tid; i < rows * n; i += T) {
-    const int r = i / n, j = i - r * n;
-    const float2 ml = ldcg2(part_ml + 2 * (row_base(r) + s0 + j * ss));
-    ws[i] = ml.x, wl[i] = ml.y;
-  }
-  __syncthreads();
-  if (tid < rows) {  // per row: max, weights (m = -inf: no visible key in that slot), sum
-    float mx = NEG_INF, den = 0.f;
-    for (int j = 0; j < n; ++j) mx = fmaxf(mx, ws[tid * n + j]);
-    for (int j = 0; j < n; ++j) {
-      const float m = ws[tid * n + j];
-      const float w = m == NEG_INF ? 0.f : ex2(m - mx);
-      ws[tid * n + j] = w;
-      den += w * wl[tid * n + j];
+  for (int r0 = 0; r0 < rows; r0 += rpc) {
+    const int rc = min(rpc, rows - r0);
+    float* const ml_s = sf + rc * n * D;     // [rc][n][2]: (max, sum), then (weight, sum)
+    float* const inv_s = ml_s + 2 * rc * n;  // [rc]: 1 / merged sum (dst < 0)
+    for (int i = tid; i < rc * n * C4; i += T) {  // acc_s [rc][n][D] = 16-byte unit i
+      const int rj = i / C4, d4 = i - rj * C4;
+      const int r = rj / n, j = rj - r * n;
+      cp_async16(sa + 16 * i,
+                 reinterpret_cast<u64>(part_acc + (row_base(r0 + r) + s0 + j * ss) * D + 4 * d4), 16);
     }
-    if (dst >= 0) {
-      float* o = part_ml + 2 * (row_base(tid) + dst);
-      o[0] = mx, o[1] = den;
-    } else {
-      inv_s[tid] = den > 0.f ? 1.f / den : 0.f;
+    cp_async_commit();
+    for (int i = tid; i < rc * n; i += T) {
+      const int r = i / n, j = i - r * n;
+      const float2 ml = ldcg2(part_ml + 2 * (row_base(r0 + r) + s0 + j * ss));
+      ml_s[2 * i] = ml.x, ml_s[2 * i + 1] = ml.y;
     }
-  }
-  __syncthreads();
-  for (int e0 = tid; e0 < rows * C4; e0 += 2 * T) {
-    float4 a[2];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) a[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int j0 = 0; j0 < n; j0 += U) {
-      float4 v[2][U];
-      float w[2][U];
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int e = e0 + u * T;
-        const int r = e < rows * C4 ? e / C4 : 0;
-        const float* pa = part_acc + row_base(r) * D + 4 * (e - r * C4);
-#pragma unroll
-        for (int k = 0; k < U; ++k) {
-          const int j = j0 + k;
-          w[u][k] = e < rows * C4 && j < n ? ws[r * n + j] : 0.f;
-          v[u][k] = w[u][k] > 0.f ? ldcg4(pa + (i64)(s0 + j * ss) * D) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
+    cp_async_wait<0>();
+    __syncthreads();
+    if (tid < rc) {  // per row: max, weights (m = -inf: no visible key in that slot), sum
+      float* const m = ml_s + 2 * tid * n;
+      float mx = NEG_INF, den = 0.f;
+      for (int j = 0; j < n; ++j) mx = fmaxf(mx, m[2 * j]);
+      for (int j = 0; j < n; ++j) {
+        const float w = m[2 * j] == NEG_INF ? 0.f : ex2(m[2 * j] - mx);
+        m[2 * j] = w;
+        den += w * m[2 * j + 1];
       }
-#pragma unroll
-      for (int u = 0; u < 2; ++u)
-#pragma unroll
-        for (int k = 0; k < U; ++k) {
-          a[u].x += w[u][k] * v[u][k].x, a[u].y += w[u][k] * v[u][k].y;
-          a[u].z += w[u][k] * v[u][k].z, a[u].w += w[u][k] * v[u][k].w;
-        }
-    }
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int e = e0 + u * T;
-      if (e >= rows * C4) continue;
-      const int r = e / C4, d4 = e - r * C4;
       if (dst >= 0) {
-        *reinterpret_cast<float4*>(part_acc + (row_base(r) + dst) * D + 4 * d4) = a[u];
+        float* o = part_ml + 2 * (row_base(r0 + tid) + dst);
+        o[0] = mx, o[1] = den;
       } else {
-        const int t = r / G;
+        inv_s[tid] = den > 0.f ? 1.f / den : 0.f;
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < rc * C4; i += T) {
+      const int r = i / C4, d4 = i - r * C4;
+      float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int j = 0; j < n; ++j) {
+        const float w = ml_s[2 * (r * n + j)];
+        const float4 v = *reinterpret_cast<const float4*>(sf + (r * n + j) * D + 4 * d4);
+        if (w > 0.f) a.x += w * v.x, a.y += w * v.y, a.z += w * v.z, a.w += w * v.w;
+      }
+      const int rr = r0 + r;
+      if (dst >= 0) {
+        *reinterpret_cast<float4*>(part_acc + (row_base(rr) + dst) * D + 4 * d4) = a;
+      } else {
+        const int t = rr / G;
         const float inv = inv_s[r];
         uint2 pk;
-        pk.x = pack_out<BF16>(a[u].x * inv, a[u].y * inv);
-        pk.y = pack_out<BF16>(a[u].z * inv, a[u].w * inv);
-        *reinterpret_cast<uint2*>(out + (tok0 + t) * stride_o_tok + (i64)(h * G + r - t * G) * stride_o_head +
-                                  4 * d4) = pk;
+        pk.x = pack_out<BF16>(a.x * inv, a.y * inv);
+        pk.y = pack_out<BF16>(a.z * inv, a.w * inv);
+        *reinterpret_cast<uint2*>(out + (tok0 + t) * stride_o_tok +
+                                  (i64)(h * G + rr - t * G) * stride_o_head + 4 * d4) = pk;
       }
     }
+    __syncthreads();  // the next chunk's copies overwrite the scratch
   }
 }
 
-// Arrive at *ctr after this CTA's global writes (release: every thread fences, then one atomic);
-// true for the last of `count` arrivals, which resets the counter and fences before reading
-// what the others wrote (acquire). flag: a shared int. Called by all threads of the CTA.
+// Arrive at *ctr after this CTA's global writes; true for the last of `count` arrivals, which
+// resets the counter. Release / acquire as CUTLASS's semaphores: the barrier orders the CTA's
+// writes before thread 0's acq_rel atomic (one fence for the CTA, not one per thread), and the
+// last arrival's reads come after the atomic and the barrier. flag: a shared int; all threads.
 DI bool arrive_last(int* ctr, int count, int* flag, int tid) {
-  __threadfence();
   __syncthreads();
   if (tid == 0) {
-    const bool last = atomicAdd(ctr, 1) == count - 1;
-    if (last) {
-      atomicExch(ctr, 0);
-      __threadfence();
-    }
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(ctr) : "memory");
+    const bool last = old == count - 1;
+    if (last) atomicExch(ctr, 0);
     *flag = last;
   }
   __syncthreads();
@@ -1333,15 +1321,15 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
     const int upr = num_q_tiles * num_kv_heads;  // units per request; blockIdx.x = split * upr + unit
     const int gi = (int)(blockIdx.x / upr) / merge_group, s0 = gi * merge_group;
     int* const uc = merge_ctr + ((i64)blockIdx.y * upr + blockIdx.x % upr) * (ng + 1);
-    float* const ws = reinterpret_cast<float*>(wsmem);  // ring, Q and P: free now
+    constexpr int SCRATCH = STAGES * BN * RP + R * 2 * D + R * 2 * BN;  // ring, Q, P: free now
     const i64 tok0 = (i64)q_start + q_lo;
     const int gsize = min(merge_group, num_splits - s0);
     if (arrive_last(uc + gi, gsize, idx_s, tid)) {  // last of its group: merge the group
       merge_partials<D, BF16>(part_acc, part_ml, num_splits, s0, 1, gsize, ng > 1 ? s0 : -1, rows,
-                              G, tok0, h, Hq, out, stride_o_tok, stride_o_head, ws, tid);
+                              G, tok0, h, Hq, out, stride_o_tok, stride_o_head, wsmem, SCRATCH, tid);
       if (ng > 1 && arrive_last(uc + ng, ng, idx_s + 1, tid))  // last group: merge the groups
         merge_partials<D, BF16>(part_acc, part_ml, num_splits, 0, merge_group, ng, -1, rows, G,
-                                tok0, h, Hq, out, stride_o_tok, stride_o_head, ws, tid);
+                                tok0, h, Hq, out, stride_o_tok, stride_o_head, wsmem, SCRATCH, tid);
     }
   }
   if (tr && tid == 0) tr[3] = globaltimer();
