@@ -31,13 +31,13 @@ def lookup_scan(
 
     Args:
         token_ids: [R, S] int32/int64 history buffer (vLLM's ``all_token_ids`` layout); row r is
-            valid up to seq_lens[r]; S < 2**31.
+            valid up to seq_lens[r]; S < 2**26 (packed 32-bit score).
         seq_lens: [R] int history lengths.
         min_n, max_n: n-gram lengths, 1 <= min_n <= max_n <= 31.
         num_draft: k tokens to propose.
         req_indices: optional [B] int rows to serve (vLLM's ``idx_mapping``); default all R rows.
-        workspace: optional int64 [2 * B] zeros; the kernel leaves it zeroed, so a persistent one
-            makes the call CUDA-graph capturable with no memset.
+        workspace: optional contiguous int64 [2 * B] zeros (used as int32 words); the kernel leaves
+            it zeroed, so a persistent one makes the call CUDA-graph capturable with no memset.
         out: optional (drafts [B, num_draft] int64, num_valid [B] int32).
         programs_per_request: grid width per request (default from S, capped).
 

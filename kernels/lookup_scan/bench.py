@@ -1,9 +1,11 @@
 """Benchmark: lookup drafting on the GPU (CUDA-graph replay, L2 flushed before each).
 
     python -m kernels.lookup_scan.bench [--sweep] [--vllm-ref .vllm_ref] [--baseline .baseline]
+    python -m kernels.lookup_scan.bench --precompile [--workers 16]
 
-``--sweep`` first times the fold/grid variants (SWEEP) side by side on the costly cases; every
-variant launched here is precompiled by ``python -m kernels.gdn_verify.sweep --precompile``.
+``--sweep`` first times the tile/fold configs (SWEEP) side by side on the goal cases, with the
+before and vLLM kernels in the same rows; ``--precompile`` compiles every launch this bench and the
+GPU tests make in parallel processes (Triton's on-disk cache is shared), then exits.
 
 Providers: ours (one launch); before (the same launch through an earlier copy of
 kernels/lookup_scan/triton.py in the ``--baseline`` folder, ignored by git); vLLM 0.32.0's V2 n-gram speculator kernels (_ngram_scan_kernel +
@@ -26,6 +28,7 @@ import torch
 import triton
 
 from kernels.lookup_scan import lookup_scan, naive_lookup_scan
+from kernels.lookup_scan.triton import CONFIG_LARGE, CONFIG_SMALL
 from kernels.timing import time_graph
 
 K_DRAFT = 7
@@ -96,33 +99,33 @@ def vllm_runner(mod, tok: torch.Tensor, lens: torch.Tensor, min_n: int, max_n: i
 
 
 SIZES = (8192, 32768, 100_000, 262_144)
-SWEEP_CASES = [(100_000, 1, (6, 12), "quote"), (262_144, 8, (5, 5), "lowent"),
-               (262_144, 8, (6, 12), "quote"), (262_144, 8, (6, 12), "lowent")]
-# (block, warps, programs per request or None = the launcher's cap, skip, groups): the default;
-# the program cap (fewer programs, each looping over more blocks, or more); more positions per
-# program (larger blocks, same program count rule); the fold variants (read the running max
-# before the contended atomic_max; two-level fold over 8 / 16 group words per request).
-SWEEP = [(512, 4, None, 0, 1), (512, 4, 64, 0, 1), (512, 4, 128, 0, 1), (512, 4, 512, 0, 1),
-         (1024, 4, None, 0, 1), (2048, 4, None, 0, 1), (2048, 8, None, 0, 1),
-         (512, 4, None, 1, 1), (512, 4, None, 0, 8), (512, 4, None, 0, 16), (512, 4, None, 1, 16),
-         (1024, 4, None, 1, 16)]
+SWEEP_CASES = [(100_000, 1, (6, 12), "quote"), (100_000, 1, (6, 12), "lowent"), (262_144, 8, (5, 5), "quote"),
+               (262_144, 8, (5, 5), "lowent"), (262_144, 8, (6, 12), "quote"), (262_144, 8, (6, 12), "lowent")]
+# (NV, G, warps, programs-per-launch cap, FENCE), kernels/lookup_scan/triton.py: tile = 32 * warps *
+# G rows of 4 * NV tokens.  The two defaults first; fence off; smaller tiles (more programs, fewer
+# positions each) and one-warp programs (no block barrier in the reductions); larger tiles (fewer,
+# fatter programs: fewer atomics, more loads in flight per thread); G = 4 (coalesced rows, halo per
+# row) vs NV = 4 (16 contiguous tokens per thread, one halo).
+SWEEP = [CONFIG_SMALL, CONFIG_LARGE, (1, 1, 4, 2048, 0), (4, 1, 4, 1024, 0),
+         (1, 1, 2, 4096, 1), (1, 1, 1, 8192, 1), (2, 1, 1, 4096, 1), (4, 1, 1, 4096, 1),
+         (2, 1, 4, 2048, 1), (1, 4, 4, 1024, 1), (8, 1, 4, 512, 1), (8, 1, 2, 1024, 1), (4, 1, 8, 512, 1)]
 
 
 def _run_variant(tok, lens, mn, mx, var, out=None):
-    from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
+    from kernels.lookup_scan.triton import lookup_scan_fwd
 
-    blk, nw, prog, skip, groups = var
-    ws = torch.zeros(workspace_numel(tok.shape[0], groups), dtype=torch.int64, device="cuda")
-    return lambda: lookup_scan_fwd(tok, lens, mn, mx, K_DRAFT, None, ws, out, prog, blk, nw, skip, groups)
+    ws = torch.zeros(2 * tok.shape[0], dtype=torch.int64, device="cuda")
+    return lambda: lookup_scan_fwd(tok, lens, mn, mx, K_DRAFT, None, ws, out, None, var)
 
 
 def precompile_jobs() -> list[tuple]:
-    """One job per launch configuration this bench makes (ours, before, vLLM), for the parallel
-    precompile in kernels/gdn_verify/sweep.py."""
+    """One job per launch configuration this bench and the GPU tests make (ours, before, vLLM)."""
     jobs = set()
     for S, B, (mn, mx), _ in SWEEP_CASES:
         for var in SWEEP:
             jobs.add(("lookup", "sweep", S, B, mn, mx, var))
+        jobs.add(("lookup", "old", S, B, mn, mx, None))
+        jobs.add(("lookup", "vllm", S, B, mn, mx, None))
     for S in SIZES:
         for B in (1, 8):
             for mn, mx in ((5, 5), (6, 12)):
@@ -151,15 +154,70 @@ def precompile_one(job: tuple) -> str:
     return f"lookup {who} S={S} B={B} n{mn}-{mx} {var}"
 
 
+def precompile(workers: int) -> None:
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    jobs = precompile_jobs()
+    t0 = time.perf_counter()
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        for _ in ex.map(precompile_one, jobs):
+            pass
+    print(f"precompiled {len(jobs)} lookup_scan launches in {time.perf_counter() - t0:.0f} s ({workers} processes)",
+          flush=True)
+
+
+def _fmt(var) -> str:
+    return "/".join(str(x) for x in var)
+
+
+def sweep(mod, old_fwd) -> None:
+    print("sweep: µs per call (same harness); variant NV/G/warps/cap/fence; '!' = proposal differs from the serial "
+          "reference; ratios vs vLLM of the best variant and of the first (default small) / second (default large)",
+          flush=True)
+    for S, B, (mn, mx), kind in SWEEP_CASES:
+        tok_c = histories(kind, B, S, S + B)
+        lens_c = torch.full((B,), S, dtype=torch.int32)
+        d_ref, n_ref = naive_lookup_scan(tok_c, lens_c, mn, mx, K_DRAFT)
+        tok, lens = tok_c.cuda(), lens_c.cuda()
+        res, times = [], []
+        for var in [*SWEEP, SWEEP[0], SWEEP[1]]:  # the defaults again at the end: same-row noise
+            out = (torch.full((B, K_DRAFT), -7, dtype=torch.int64, device="cuda"),
+                   torch.full((B,), -7, dtype=torch.int32, device="cuda"))
+            t = time_graph(_run_variant(tok, lens, mn, mx, var, out))
+            ok = torch.equal(out[0].cpu(), d_ref) and torch.equal(out[1].cpu(), n_ref)
+            res.append(f"{_fmt(var)} {t:.2f}{'' if ok else '!'}")
+            times.append(t if ok else float("inf"))
+        t_b = t_v = float("nan")
+        if old_fwd is not None:
+            ws_b = torch.zeros(2 * B, dtype=torch.int64, device="cuda")
+            t_b = time_graph(lambda: old_fwd(tok, lens, mn, mx, K_DRAFT, None, ws_b, None))  # noqa: B023
+        if mod is not None:
+            fn, d_v = vllm_runner(mod, tok, lens, mn, mx)
+            t_v = time_graph(fn)
+            if not torch.equal(d_v.cpu(), d_ref):
+                print("  vLLM proposal differs from the reference!")
+        i_best = min(range(len(SWEEP)), key=lambda i: times[i])
+        print(f"sweep S={S} B={B} n{mn}-{mx} {kind}: before {t_b:.2f}  vllm {t_v:.2f} | " + "  ".join(res)
+              + f" | best {_fmt(SWEEP[i_best])} {times[i_best]:.2f} = {t_v / times[i_best]:.2f}x vllm, "
+              f"{t_b / times[i_best]:.2f}x before; first {t_v / times[0]:.2f}x, second {t_v / times[1]:.2f}x vllm",
+              flush=True)
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    ap.add_argument("--sweep", action="store_true", help="time (block, programs) settings of ours")
+    ap.add_argument("--sweep", action="store_true", help="time the SWEEP configs of ours on SWEEP_CASES first")
+    ap.add_argument("--precompile", action="store_true", help="compile every launch in parallel, then exit")
+    ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--vllm-ref", type=Path, default=Path(".vllm_ref"))
     ap.add_argument("--baseline", type=Path, default=Path(".baseline"))
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    if args.precompile:
+        precompile(args.workers)
+        return
     mod = load_vllm(args.vllm_ref)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     if mod is None:
@@ -168,21 +226,7 @@ def main() -> None:
     if old_fwd is None:
         print("baseline kernel copy not found: before column skipped")
     if args.sweep:
-        print("sweep: ours, µs per call (same harness); variant block/warps/programs(- = cap)/skip/groups; "
-              "'!' = proposal differs from the serial reference", flush=True)
-        for S, B, (mn, mx), kind in SWEEP_CASES:
-            tok_c = histories(kind, B, S, 0)
-            lens_c = torch.full((B,), S, dtype=torch.int32)
-            d_ref, n_ref = naive_lookup_scan(tok_c, lens_c, mn, mx, K_DRAFT)
-            tok, lens = tok_c.cuda(), lens_c.cuda()
-            res = []
-            for var in [*SWEEP, SWEEP[0]]:  # the default again at the end: same-row noise
-                out = (torch.full((B, K_DRAFT), -7, dtype=torch.int64, device="cuda"),
-                       torch.full((B,), -7, dtype=torch.int32, device="cuda"))
-                t = time_graph(_run_variant(tok, lens, mn, mx, var, out))
-                ok = torch.equal(out[0].cpu(), d_ref) and torch.equal(out[1].cpu(), n_ref)
-                res.append("/".join("-" if x is None else str(x) for x in var) + f" {t:.2f}{'' if ok else '!'}")
-            print(f"sweep S={S} B={B} n{mn}-{mx} {kind}: " + "  ".join(res), flush=True)
+        sweep(mod, old_fwd)
     dummy = torch.zeros(1, device="cuda")
     print(f"launch floor in this harness (one empty Triton kernel): {time_graph(lambda: _empty_kernel[(1,)](dummy)):.2f} µs")
     print(f"\nlookup scan, k={K_DRAFT}; µs per call (CUDA graph, cold L2: memset-flushed, flush time subtracted); ref = serial torch on CPU, ms")

@@ -1,17 +1,24 @@
-"""Triton lookup-drafting scan: one launch, many programs per request, atomic-max fold.
+"""Triton lookup-drafting scan: one launch, register tiles, 32-bit atomic-max fold.
 
-Instead of testing every n in [min_n, max_n] at every start position (vLLM's scan: sum(n) loads per
-position), each program walks candidate *end* positions e <= L-2 and measures the backward match
-length m(e) = #{j < max_n : h[e-j] == h[L-1-j] for all smaller j}.  A match of length n starts at
-e-n+1 and the draft begins at e+1 whatever n is, so the packed score (min(m, max_n) << 32 | e+1)
-maximised over e gives the longest n and then the most recent position, exactly the serial rule.
-Most positions fail the first compare, so chunks without a single last-token hit skip the rest.
+Each program walks candidate *end* positions e <= L-2 and measures the backward match length
+m(e) = #{j < max_n : h[e-j] == h[L-1-j] for all smaller j}.  A match of length n starts at e-n+1
+and the draft begins at e+1 whatever n is, so the packed score (m << 26 | e+1) maximised over e
+gives the longest n and then the most recent position, exactly the serial rule.
 
-Programs fold their block maxima into a per-request int64 with a relaxed ``atomic_max``; the last
-program of a request (an acq_rel ``atomic_add`` ticket, which also orders the max) reads the result
-with a plain load, resets the two workspace words with plain stores and gathers the draft, so one
-graph-capturable launch does the whole lookup.  The grid depends on the history capacity only: one
-block per program up to a program cap, past it programs stride over the actual length.
+Tile layout: a program's tile is [ROWS, 4 * NV] tokens, one row per thread (G = ROWS / (32 * warps)
+rows each), loaded as 16-byte vectors and split into columns in registers; HV = ceil((max_n-1)/4)
+more vectors before each row (the halo, L1 hits on the neighbours' lines) make h[e-j] a register
+for every j, so the run length is an AND chain of compares (about two instructions per position
+and j) instead of a gather per j.  The whole tile, halo included, is loaded before seq_lens is
+known (its address does not depend on the length), so every load of a program is in flight at once
+and the program pays the DRAM latency once.  Tiles without a single last-token hit (quoting
+histories: almost all) stop after one compare per position.
+
+Programs fold their tile maxima into a per-request int32 with a relaxed ``atomic_max``; the last
+program of a request (an acq_rel ``atomic_add`` ticket, which also orders the max) reads the result,
+resets the two words and gathers the draft, so one graph-capturable launch does the whole lookup.
+The workspace is the caller's int64 [2 * B] zeros, used as int32 words.  Past the program cap a
+program loops over further tiles (loaded after the length is known).
 """
 
 from __future__ import annotations
@@ -20,50 +27,99 @@ import torch
 import triton
 import triton.language as tl
 
-# End positions per block (4 per thread at 4 warps) and the cap on programs per request: H200
-# sweep in NOTES.md (kernels/lookup_scan/bench.py --sweep).  The grid is sized by the history
-# capacity S (CUDA-graph capturable), at most cdiv(S, BLOCK) programs per request; below the cap
-# every program scans exactly one block.
-BLOCK = 512
-MAX_PROGRAMS = 2048  # per launch, over all requests (at least 32 per request)
-NUM_WARPS = 4
-# Fold variants (bench.py --sweep): SKIP reads the running max before the contended atomic_max;
-# GROUPS > 1 folds in two levels (per-group words, then the request's), with a larger workspace.
-SKIP = 0
-GROUPS = 1
+# Packed score: m << POS_BITS | e + 1, m <= 31, so histories must be shorter than 2**POS_BITS.
+POS_BITS = 26
+# Default configs by work size (bench.py --sweep, NOTES.md): (NV vectors of 4 tokens per row, G rows
+# per thread, warps, programs-per-launch cap, FENCE).  A tile is block_tokens(config) tokens; the
+# first tile of every program is read before the length is known, so cap * tile tokens bound what
+# a launch reads of a buffer whose rows are mostly empty.
+CONFIG_SMALL = (1, 1, 4, 2048, 1)  # B * S <= 256K: 512-token tiles, latency first
+CONFIG_LARGE = (4, 1, 4, 1024, 1)  # 2048-token tiles, 16 contiguous tokens per thread
+SMALL_WORK = 1 << 18
 
 
-def workspace_numel(batch: int, groups: int = GROUPS) -> int:
-    """int64 words of zeroed workspace a launch needs: max and ticket per request, plus per group."""
-    return 2 * batch * (1 + (groups if groups > 1 else 0))
+Config = tuple[int, int, int, int, int]
+
+
+def block_tokens(config: Config) -> int:
+    """Tokens per tile: ROWS = 32 * warps * G rows of 4 * NV tokens."""
+    nv, g, nw = config[:3]
+    return 4 * nv * g * 32 * nw
+
+
+def default_config(batch: int, capacity: int) -> Config:
+    return CONFIG_SMALL if batch * capacity <= SMALL_WORK else CONFIG_LARGE
 
 
 @triton.jit
-def _block_best(p_h, e, tok, L, last, MIN_N: tl.constexpr, MAX_N: tl.constexpr):
-    """Best packed score (m << 32 | e + 1) over one block of end positions e, tok = h[e]."""
-    alive = (e <= L - 2) & (tok == last)
-    best = tl.zeros((), dtype=tl.int64)
-    if tl.max(alive.to(tl.int32)) > 0:  # quoting histories: most blocks stop here
-        m = alive.to(tl.int32)
-        if MAX_N > 1:
-            # second filter: one more compare, masked, leaves ~1/vocab of the hits alive
-            s_1 = tl.load(p_h + L - 2, mask=L >= 2, other=0)
-            alive = alive & (e >= 1)
-            alive = alive & (tl.load(p_h + e - 1, mask=alive, other=0) == s_1)
-            m += alive.to(tl.int32)
-            if MAX_N > 2:
-                if tl.max(alive.to(tl.int32)) > 0:
-                    a1 = alive
-                    # the remaining compares load under the same mask, so they are all in flight
-                    # at once (no load waits for the previous compare); the run length is an AND
-                    # chain in registers
-                    for j in tl.static_range(2, MAX_N):
-                        s_j = tl.load(p_h + L - 1 - j, mask=L - 1 - j >= 0, other=0)
-                        w_j = tl.load(p_h + e - j, mask=a1 & (e >= j), other=0)
-                        alive = alive & (e >= j) & (w_j == s_j)
-                        m += alive.to(tl.int32)
-        score = tl.where(m >= MIN_N, (m.to(tl.int64) << 32) | (e + 1).to(tl.int64), 0)
-        best = tl.max(score)
+def _split4(x, ROWS: tl.constexpr):
+    """[ROWS, 4] (a 16-byte vector per thread) -> its four columns [ROWS], register moves only."""
+    a, b = tl.split(tl.reshape(x, [ROWS, 2, 2]))  # a: columns 0, 2; b: columns 1, 3
+    c0, c2 = tl.split(a)
+    c1, c3 = tl.split(b)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _load_tile(p_h, base, S, ROWS: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr):
+    """Columns of the tile at token `base` (row r holds base + r*4*NV + [0, 4*NV)), preceded by
+    4*HV halo columns (the tokens before each row): a tuple of 4*(HV+NV) [ROWS] tensors, column k
+    of the tuple at row offset k - 4*HV.  Positions outside [0, S) read 0 (see _tile_best)."""
+    row0 = base + tl.arange(0, ROWS) * (4 * NV)
+    o_c = tl.arange(0, 4)
+    cols = ()
+    for v in tl.static_range(-HV, NV):
+        pos = row0[:, None] + (4 * v) + o_c[None, :]
+        x = tl.load(p_h + pos, mask=(pos >= 0) & (pos < S), other=0)
+        c0, c1, c2, c3 = _split4(x, ROWS)
+        cols = cols + (c0, c1, c2, c3)
+    return cols
+
+
+@triton.jit
+def _tile_scores(cols, s, row0, L, EDGE: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr,
+                 MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr):
+    """Per-row max of m << POS_BITS | e + 1 over the row's end positions, m = 0 where the first
+    MIN_N compares fail (so the max is a real match iff its m >= MIN_N).  EDGE: the tile holds
+    positions < MAX_N - 1 or > L - 2 (clamp m to e + 1, zero it past L - 2); interior tiles skip
+    both, leaving about two instructions per position and j."""
+    H: tl.constexpr = 4 * HV
+    acc = tl.zeros_like(row0)
+    for c in tl.static_range(4 * NV):
+        a = cols[H + c] == s[0]
+        for j in tl.static_range(1, MIN_N):
+            a = a & (cols[H + c - j] == s[j])
+        m = tl.where(a, MIN_N, 0)
+        for j in tl.static_range(MIN_N, MAX_N):
+            a = a & (cols[H + c - j] == s[j])
+            m += a.to(tl.int32)
+        e = row0 + c
+        if EDGE:
+            # h[e-j] for e-j < 0 was read as 0: a match cannot be longer than e+1 (NOTES.md)
+            m = tl.where(e <= L - 2, tl.minimum(m, e + 1), 0)
+        acc = tl.maximum(acc, (m << POS_BITS) | (e + 1))
+    return acc
+
+
+@triton.jit
+def _tile_best(cols, s, base, L, active, ROWS: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr,
+               MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr):
+    """Best packed score over the tile's end positions (0 if none or not active); s = (h[L-1],
+    h[L-2], ...).  The hit test reads the tile unconditionally, so the compiler cannot sink the
+    tile's loads below the length's (one DRAM trip for both, see lookup_scan_kernel)."""
+    H: tl.constexpr = 4 * HV
+    BLOCK: tl.constexpr = ROWS * 4 * NV
+    hit = cols[H] == s[0]
+    for c in tl.static_range(1, 4 * NV):
+        hit = hit | (cols[H + c] == s[0])
+    best = tl.zeros((), dtype=tl.int32)
+    if (tl.max(hit.to(tl.int32)) > 0) & active:  # quoting histories: almost every tile stops here
+        row0 = base + tl.arange(0, ROWS) * (4 * NV)
+        if (base >= MAX_N) & (base + BLOCK <= L - 1):
+            best = tl.max(_tile_scores(cols, s, row0, L, False, NV, HV, MIN_N, MAX_N, POS_BITS))
+        else:
+            best = tl.max(_tile_scores(cols, s, row0, L, True, NV, HV, MIN_N, MAX_N, POS_BITS))
+        best = tl.where((best >> POS_BITS) >= MIN_N, best, 0)
     return best
 
 
@@ -72,67 +128,52 @@ def lookup_scan_kernel(
     tokens, s_tok, req_idx, seq_lens, drafts, num_valid, ws,
     S, P, B,
     MIN_N: tl.constexpr, MAX_N: tl.constexpr, K_DRAFT: tl.constexpr, KP: tl.constexpr,
-    BLOCK: tl.constexpr, HAS_REQ_IDX: tl.constexpr, SKIP: tl.constexpr, GROUPS: tl.constexpr,
+    ROWS: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr, HAS_REQ_IDX: tl.constexpr,
+    POS_BITS: tl.constexpr, FENCE: tl.constexpr,
 ):
+    BLOCK: tl.constexpr = ROWS * 4 * NV
     i_p, i_b = tl.program_id(0), tl.program_id(1)
     row = tl.load(req_idx + i_b).to(tl.int64) if HAS_REQ_IDX else i_b.to(tl.int64)
     p_h = tokens + row * s_tok
-    # The first block is loaded before the length is known (its address does not depend on it,
-    # the buffer holds S tokens per row), so the history and seq_lens reads share one DRAM trip.
-    o_e = tl.arange(0, BLOCK)
-    e = i_p * BLOCK + o_e
-    tok = tl.load(p_h + e, mask=e < S, other=0)
-    L = tl.load(seq_lens + row).to(tl.int64)
+    # The first tile (halo included) is loaded before the length is known: one DRAM trip for both.
+    cols = _load_tile(p_h, i_p * BLOCK, S, ROWS, NV, HV)
+    L = tl.load(seq_lens + row).to(tl.int32)
+    n_tiles = tl.cdiv(L - 1, BLOCK)
     # Programs with no end position to scan take no ticket: the finisher counts n_act tickets.
-    n_act = tl.maximum(tl.minimum(tl.cdiv(L - 1, BLOCK), P), 1)
+    n_act = tl.maximum(tl.minimum(n_tiles, P), 1)
+    s = ()
+    for j in tl.static_range(MAX_N):  # the suffix, last token first; all loads in flight at once
+        s = s + (tl.load(p_h + L - 1 - j, mask=L - 1 - j >= 0, other=0),)
+    # Not inside `if i_p < n_act`: the compiler would sink the tile's loads into the branch, after
+    # the length's load (two DRAM trips; seen in the sm_90 SASS).
+    best = _tile_best(cols, s, i_p * BLOCK, L, i_p < n_act, ROWS, NV, HV, MIN_N, MAX_N, POS_BITS)
+    for t in range(i_p + P, n_tiles, P):  # only past the program cap (never for idle programs)
+        cols_t = _load_tile(p_h, t * BLOCK, S, ROWS, NV, HV)
+        best = tl.maximum(best, _tile_best(cols_t, s, t * BLOCK, L, True, ROWS, NV, HV, MIN_N, MAX_N, POS_BITS))
     if i_p < n_act:
-        last = tl.load(p_h + L - 1, mask=L > 0, other=0)
-        best = _block_best(p_h, e, tok, L, last, MIN_N, MAX_N)
-        for c in range(i_p + P, tl.cdiv(L - 1, BLOCK), P):  # only past the program cap
-            e_c = c * BLOCK + o_e
-            tok_c = tl.load(p_h + e_c, mask=e_c < S, other=0)
-            best = tl.maximum(best, _block_best(p_h, e_c, tok_c, L, last, MIN_N, MAX_N))
-
-        if GROUPS > 1:
-            # Two-level fold: program i_p joins group i_p % GROUPS (its own max and ticket words,
-            # P / GROUPS programs each); the last program of a group folds the group's max into
-            # the request's words, so those see at most GROUPS atomics instead of n_act.
-            g = i_p % GROUPS
-            p_g = ws + 2 * B + (i_b * GROUPS + g) * 2
-            if best > 0:
-                tl.atomic_max(p_g, best, sem="relaxed")
-            n_g = (n_act - g + GROUPS - 1) // GROUPS  # active programs of this group
-            last_g = tl.atomic_add(p_g + 1, 1, sem="acq_rel") == n_g - 1
-            if last_g:
-                best = tl.load(p_g, volatile=True)
-                tl.store(p_g, 0)
-                tl.store(p_g + 1, 0)
-            n_fold = tl.minimum(n_act, GROUPS)  # groups with at least one active program
-        else:
-            last_g = True
-            n_fold = n_act
-        ticket = n_act * 0 - 1  # int64 like the atomic's result
-        if last_g:
+        if FENCE:
             if best > 0:  # most programs of a quoting history find nothing: spare the contended word
-                if SKIP:
-                    # read first: a program whose best is not above the running max skips the
-                    # contended atomic (the max only grows, so skipping cannot lose the winner)
-                    if best > tl.load(ws + i_b, volatile=True):
-                        tl.atomic_max(ws + i_b, best, sem="relaxed")
-                else:
-                    tl.atomic_max(ws + i_b, best, sem="relaxed")
+                tl.atomic_max(ws + i_b, best, sem="relaxed")
             ticket = tl.atomic_add(ws + B + i_b, 1, sem="acq_rel")  # release orders the max above
-        if ticket == n_fold - 1:
+        else:
+            # No fence (MEMBAR.GPU + L1 invalidate): the max returns once it is performed at L2 and
+            # the ticket's operand depends on its result, so the ticket is issued after it; the
+            # finisher's volatile load goes to L2.  Hardware order, not the PTX model's (NOTES.md).
+            dep = best * 0
+            if best > 0:
+                dep = tl.atomic_max(ws + i_b, best, sem="relaxed") >> 31  # 0: scores are >= 0
+            ticket = tl.atomic_add(ws + B + i_b, 1 + dep, sem="relaxed")
+        if ticket == n_act - 1:
             # Last program of the request: every max is visible (acquire); plain loads/stores
             # suffice, no other program touches the two words again in this launch.
             best = tl.load(ws + i_b, volatile=True)
             tl.store(ws + i_b, 0)
             tl.store(ws + B + i_b, 0)
-            start = best - ((best >> 32) << 32)  # e + 1 of the winning end position
+            start = best & ((1 << POS_BITS) - 1)  # e + 1 of the winning end position
             nv = tl.where(best > 0, tl.minimum(L - start, K_DRAFT), 0)
             o_d = tl.arange(0, KP)
             d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
-            out = tl.where(o_d < nv, d_tok, last).to(tl.int64)
+            out = tl.where(o_d < nv, d_tok, s[0]).to(tl.int64)
             tl.store(drafts + i_b * K_DRAFT + o_d, out, mask=o_d < K_DRAFT)
             tl.store(num_valid + i_b, nv.to(tl.int32))
 
@@ -147,38 +188,36 @@ def lookup_scan_fwd(
     workspace: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     programs_per_request: int | None = None,
-    block: int = BLOCK,
-    num_warps: int = NUM_WARPS,
-    skip: int = SKIP,
-    groups: int = GROUPS,
+    config: Config | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher; see kernels.lookup_scan.lookup_scan for the contract.  ``skip`` and ``groups``
-    are the fold variants timed by bench.py --sweep (kernel docstring); groups > 1 needs a
-    workspace of ``workspace_numel(B, groups)`` int64 zeros instead of 2 * B."""
+    """Launcher; see kernels.lookup_scan.lookup_scan for the contract.  ``config`` = (NV, G,
+    warps, programs-per-launch cap, FENCE) picks the tile and the fold (bench.py --sweep); default
+    by B * S (default_config)."""
     if not 1 <= min_n <= max_n or max_n > 31 or num_draft < 1:
         raise ValueError(f"need 1 <= min_n <= max_n <= 31 and num_draft >= 1, got {min_n}, {max_n}, {num_draft}")
     if token_ids.stride(-1) != 1 or token_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"token_ids must be int32/int64 with unit last stride, got {token_ids.dtype} {token_ids.stride()}")
-    if token_ids.shape[1] >= 2**31:
-        raise ValueError(f"history capacity {token_ids.shape[1]} exceeds the packed score")
+    if token_ids.shape[1] >= 2**POS_BITS:
+        raise ValueError(f"history capacity {token_ids.shape[1]} exceeds the packed score (< 2**{POS_BITS})")
     B = token_ids.shape[0] if req_indices is None else req_indices.shape[0]
     dev = token_ids.device
-    n_ws = workspace_numel(B, groups)
     if workspace is None:
-        workspace = torch.zeros(n_ws, dtype=torch.int64, device=dev)
-    elif workspace.shape != (n_ws,) or workspace.dtype != torch.int64:
-        raise ValueError(f"workspace must be int64 [{n_ws}] zeros, got {workspace.dtype} {tuple(workspace.shape)}")
+        workspace = torch.zeros(2 * B, dtype=torch.int64, device=dev)
+    elif workspace.shape != (2 * B,) or workspace.dtype != torch.int64 or not workspace.is_contiguous():
+        raise ValueError(f"workspace must be contiguous int64 [{2 * B}] zeros, got {workspace.dtype} {tuple(workspace.shape)}")
     drafts, num_valid = out if out is not None else (
         torch.empty(B, num_draft, dtype=torch.int64, device=dev),
         torch.empty(B, dtype=torch.int32, device=dev),
     )
     S = token_ids.shape[1]
-    P = programs_per_request or max(1, min(triton.cdiv(S, block), max(32, MAX_PROGRAMS // max(B, 1))))
+    nv, g, nw, cap, fence = config or default_config(B, S)
+    block = block_tokens((nv, g, nw, cap, fence))
+    P = programs_per_request or max(1, min(triton.cdiv(S, block), max(8, cap // max(B, 1))))
     lookup_scan_kernel[(P, B)](
         token_ids, token_ids.stride(0), req_indices if req_indices is not None else seq_lens, seq_lens,
-        drafts, num_valid, workspace, S, P, B,
+        drafts, num_valid, workspace.view(torch.int32), S, P, B,
         MIN_N=min_n, MAX_N=max_n, K_DRAFT=num_draft, KP=triton.next_power_of_2(num_draft),
-        BLOCK=block, HAS_REQ_IDX=req_indices is not None, SKIP=bool(skip), GROUPS=groups,
-        num_warps=num_warps,
+        ROWS=32 * nw * g, NV=nv, HV=triton.cdiv(max_n - 1, 4), HAS_REQ_IDX=req_indices is not None,
+        POS_BITS=POS_BITS, FENCE=bool(fence), num_warps=nw,
     )
     return drafts, num_valid

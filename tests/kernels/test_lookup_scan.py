@@ -46,7 +46,7 @@ def repetitive(B, S, vocab, seed, dtype=torch.int32):
     return tok.to(dtype)
 
 
-@pytest.mark.parametrize("min_n,max_n", [(5, 5), (2, 7), (1, 3)], ids=lambda x: str(x))
+@pytest.mark.parametrize("min_n,max_n", [(5, 5), (2, 7), (1, 3), (1, 1)], ids=lambda x: str(x))
 def test_random_small_vocab(min_n, max_n):
     g = torch.Generator().manual_seed(min_n * 10 + max_n)
     tok = torch.randint(0, 4, (3, 2500), generator=g, dtype=torch.int32)
@@ -69,6 +69,21 @@ def test_no_match_and_short_histories():
     lens = torch.tensor([1500, 6, 1, 0], dtype=torch.int32)
     nr = check(tok, lens, 5, 5, 7, programs_per_request=2)
     assert (nr == 0).all()
+
+
+def test_match_at_history_start():
+    """Positions before 0 read as 0 in the kernel's halo: a match ending at e is at most e+1 long.
+    Row 0: "5 6 7" at the start would look 4 long against the suffix "0 5 6 7" without that clamp and
+    beat the later, truly longest-and-most-recent "5 6 7"; row 1: the start is the only match."""
+    tok = torch.full((2, 300), 3, dtype=torch.int32)
+    tok[:, 1:299:2] = 4  # 3 4 3 4 ...: no 3-gram of the suffixes below
+    for i_b in range(2):
+        tok[i_b, 0:3] = torch.tensor([5, 6, 7])
+        tok[i_b, 296:300] = torch.tensor([0, 5, 6, 7])
+    tok[0, 150:154] = torch.tensor([1, 5, 6, 7])
+    lens = torch.tensor([300, 300], dtype=torch.int32)
+    nr = check(tok, lens, 3, 4, 7, programs_per_request=1)
+    assert nr.tolist() == [7, 7]
 
 
 def test_ties_most_recent_wins_and_clipping():
@@ -95,19 +110,21 @@ def test_req_indices_and_workspace_reuse():
         assert not ws.any(), "the kernel must leave the workspace zeroed"
 
 
-@pytest.mark.parametrize("programs", [3, 40], ids=lambda p: f"P{p}")
-def test_block_loop_and_idle_programs(programs):
-    """Small blocks: P=3 loops over blocks past the program cap; P=40 leaves programs with no block
-    (no ticket; the finisher counts only the active ones) on the short rows."""
+@pytest.mark.parametrize("config,programs", [((1, 1, 1, 64, 1), 3), ((2, 1, 1, 64, 0), 10), ((1, 2, 1, 64, 1), 2)],
+                         ids=["loop", "idle-nofence", "G2"])
+def test_configs_block_loop_and_idle_programs(config, programs):
+    """Tile configs (NV, G, warps, cap, fence): P=3 loops over tiles past the program cap; P=10 leaves
+    programs with no tile (no ticket; the finisher counts only the active ones) on the short rows,
+    with the fence-free fold; G=2 gives each thread two rows (a halo each)."""
     from kernels.lookup_scan.triton import lookup_scan_fwd
 
-    tok = repetitive(3, 1500, 300, seed=9)
-    lens = torch.tensor([1500, 700, 2], dtype=torch.int32)
-    ws = torch.zeros(6, dtype=torch.int64, device=DEVICE)
+    tok = torch.cat([repetitive(2, 1500, 300, seed=9), torch.randint(0, 4, (2, 1500), dtype=torch.int32)])
+    lens = torch.tensor([1500, 700, 1400, 2], dtype=torch.int32)
+    ws = torch.zeros(8, dtype=torch.int64, device=DEVICE)
     for min_n, max_n in [(2, 9), (4, 4)]:
-        out = (torch.full((3, 5), -7, dtype=torch.int64, device=DEVICE),
-               torch.full((3,), -7, dtype=torch.int32, device=DEVICE))
-        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 5, None, ws, out, programs, 128, 4)
+        out = (torch.full((4, 5), -7, dtype=torch.int64, device=DEVICE),
+               torch.full((4,), -7, dtype=torch.int32, device=DEVICE))
+        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 5, None, ws, out, programs, config)
         dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 5)
         assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
         assert not ws.any()
@@ -122,22 +139,3 @@ def test_real_lengths_gpu(S, min_n, max_n):
     ws = torch.zeros(16, dtype=torch.int64, device=DEVICE)
     for _ in range(2):
         check(tok, lens, min_n, max_n, 7, workspace=ws)
-
-
-@pytest.mark.parametrize("skip,groups", [(1, 1), (0, 4), (1, 3)], ids=lambda x: str(x))
-def test_fold_variants(skip, groups):
-    """The sweep's fold variants (read-before-max, two-level groups) propose what the reference
-    does, with groups larger and smaller than the active programs, and leave the workspace zeroed."""
-    from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
-
-    tok = torch.cat([repetitive(2, 1500, 300, seed=11), torch.randint(0, 4, (2, 1500), dtype=torch.int32)])
-    lens = torch.tensor([1500, 700, 1400, 2], dtype=torch.int32)
-    ws = torch.zeros(workspace_numel(4, groups), dtype=torch.int64, device=DEVICE)
-    for min_n, max_n, programs in [(2, 9, 5), (4, 4, 12)]:
-        out = (torch.full((4, 5), -7, dtype=torch.int64, device=DEVICE),
-               torch.full((4,), -7, dtype=torch.int32, device=DEVICE))
-        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 5, None, ws, out, programs, 128, 4,
-                               skip, groups)
-        dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 5)
-        assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
-        assert not ws.any()
