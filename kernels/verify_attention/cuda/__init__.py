@@ -84,11 +84,13 @@ def default_fuse(n8: int) -> bool:
     """HH_VERIFY_ATTENTION_FUSE: auto (default), 1 (merge inside the split kernel: last arrivals
     per unit, two levels) or 0 (a separate combine kernel: the path up to 86a6d8f).
 
-    auto = 0 until the fused merge is measured against the two-node path on the H200."""
+    auto = fused at one n8 tile of query rows (T=1: a unit's partials are 6 rows x 1 KB per split),
+    the combine kernel above (T=8: 48 rows per split; the fused merge of 1-2 CTAs per unit took
+    far longer than the node boundary it removes: H200, NOTES.md)."""
     kind = os.environ.get("HH_VERIFY_ATTENTION_FUSE", "auto").lower()
     if kind not in ("auto", "1", "0"):
         raise ValueError(f"HH_VERIFY_ATTENTION_FUSE={kind!r}: auto, 1 or 0")
-    return kind == "1"
+    return n8 == 1 if kind == "auto" else kind == "1"
 
 
 def merge_group_for(num_splits: int) -> int:

@@ -868,18 +868,22 @@ DI float2 ldcg2(const float* p) {
 // Merge the n partial slots s0 + j ss (j < n) of one unit's rows (row r: token tok0 + r / G, query
 // head h G + r % G). dst >= 0: the merged, unnormalised partial -> slot dst; dst < 0: the
 // normalised rows -> out. All 128 threads. Rows go in chunks that fit the shared scratch (the
-// free ring, Q and P): a chunk's partials are staged with 16-byte cp.async through L2 (so every
-// thread has many copies in flight: one memory round trip per chunk, not one per load batch; the
-// first version, register loads 16 in flight per thread, spent ~12 µs merging at 100K T=1 b1),
-// the (max, sum) pairs with ld.cg, then weights per row and the sums come from shared memory.
-// Not inlined: inlined, a merge cost the 48-row kernel spills (ptxas 13.0, 255 registers).
+// free ring, Q and P). Per chunk, one memory round trip: the partials are staged with 16-byte
+// cp.async through L2 (they do not depend on the weights, so all are in flight at once) while
+// each warp takes a row's (max, sum) pairs with ld.cg, lane = split, and reduces them with
+// shuffles; then the sums come from shared memory, 8 splits per batch of loads.
+// Why so: two earlier versions (register loads 16 in flight per thread; cp.async staging but one
+// thread per row walking the splits and a serial split loop per element) spent ~12 µs merging at
+// 100K T=1 b1 and ~35 µs with one level of 66 splits: serial shared-memory latency chains, not
+// bytes (H200, NOTES.md). Not inlined: inlined, a merge cost the 48-row kernel spills.
 template <int D, bool BF16>
 __device__ __noinline__ void merge_partials(float* part_acc, float* part_ml, int num_splits, int s0,
                                             int ss, int n, int dst, int rows, int G, i64 tok0, int h,
                                             int Hq, unsigned short* out, int stride_o_tok,
                                             int stride_o_head, unsigned char* scratch,
                                             int scratch_bytes, int tid) {
-  constexpr int T = 128, C4 = D / 4;  // float4 per row
+  constexpr int T = 128, C4 = D / 4, U = 8;  // float4 per row; splits per batch of loads
+  const int warp = tid >> 5, lane = tid & 31;
   const u32 sa = smem_addr(scratch);
   float* const sf = reinterpret_cast<float*>(scratch);
   const int rpc = max(1, scratch_bytes / (n * (4 * D + 8) + 4));  // rows per chunk (launcher: >= 1)
@@ -889,8 +893,9 @@ __device__ __noinline__ void merge_partials(float* part_acc, float* part_ml, int
   };
   for (int r0 = 0; r0 < rows; r0 += rpc) {
     const int rc = min(rpc, rows - r0);
-    float* const ml_s = sf + rc * n * D;     // [rc][n][2]: (max, sum), then (weight, sum)
-    float* const inv_s = ml_s + 2 * rc * n;  // [rc]: 1 / merged sum (dst < 0)
+    float* const w_s = sf + rc * n * D;  // [rc][n]: max, then weight
+    float* const l_s = w_s + rc * n;     // [rc][n]: sum
+    float* const inv_s = l_s + rc * n;   // [rc]: 1 / merged sum (dst < 0)
     for (int i = tid; i < rc * n * C4; i += T) {  // acc_s [rc][n][D] = 16-byte unit i
       const int rj = i / C4, d4 = i - rj * C4;
       const int r = rj / n, j = rj - r * n;
@@ -898,37 +903,53 @@ __device__ __noinline__ void merge_partials(float* part_acc, float* part_ml, int
                  reinterpret_cast<u64>(part_acc + (row_base(r0 + r) + s0 + j * ss) * D + 4 * d4), 16);
     }
     cp_async_commit();
-    for (int i = tid; i < rc * n; i += T) {
-      const int r = i / n, j = i - r * n;
-      const float2 ml = ldcg2(part_ml + 2 * (row_base(r0 + r) + s0 + j * ss));
-      ml_s[2 * i] = ml.x, ml_s[2 * i + 1] = ml.y;
+    for (int r = warp; r < rc; r += T / 32) {  // weights: warp per row, lane per split
+      const i64 base = row_base(r0 + r) + s0;
+      float mx = NEG_INF;
+      for (int j = lane; j < n; j += 32) {
+        const float2 ml = ldcg2(part_ml + 2 * (base + j * ss));
+        w_s[r * n + j] = ml.x, l_s[r * n + j] = ml.y;
+        mx = fmaxf(mx, ml.x);
+      }
+#pragma unroll
+      for (int o = 16; o; o >>= 1) mx = fmaxf(mx, shfl_xor(mx, o));
+      float den = 0.f;
+      for (int j = lane; j < n; j += 32) {  // this lane's own entries: no barrier needed
+        const float m = w_s[r * n + j];
+        const float w = m == NEG_INF ? 0.f : ex2(m - mx);  // -inf: no visible key in that slot
+        w_s[r * n + j] = w;
+        den += w * l_s[r * n + j];
+      }
+#pragma unroll
+      for (int o = 16; o; o >>= 1) den += shfl_xor(den, o);
+      if (lane == 0) {
+        if (dst >= 0) {
+          float* o = part_ml + 2 * (base - s0 + dst);
+          o[0] = mx, o[1] = den;
+        } else {
+          inv_s[r] = den > 0.f ? 1.f / den : 0.f;
+        }
+      }
     }
     cp_async_wait<0>();
-    __syncthreads();
-    if (tid < rc) {  // per row: max, weights (m = -inf: no visible key in that slot), sum
-      float* const m = ml_s + 2 * tid * n;
-      float mx = NEG_INF, den = 0.f;
-      for (int j = 0; j < n; ++j) mx = fmaxf(mx, m[2 * j]);
-      for (int j = 0; j < n; ++j) {
-        const float w = m[2 * j] == NEG_INF ? 0.f : ex2(m[2 * j] - mx);
-        m[2 * j] = w;
-        den += w * m[2 * j + 1];
-      }
-      if (dst >= 0) {
-        float* o = part_ml + 2 * (row_base(r0 + tid) + dst);
-        o[0] = mx, o[1] = den;
-      } else {
-        inv_s[tid] = den > 0.f ? 1.f / den : 0.f;
-      }
-    }
     __syncthreads();
     for (int i = tid; i < rc * C4; i += T) {
       const int r = i / C4, d4 = i - r * C4;
       float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int j = 0; j < n; ++j) {
-        const float w = ml_s[2 * (r * n + j)];
-        const float4 v = *reinterpret_cast<const float4*>(sf + (r * n + j) * D + 4 * d4);
-        if (w > 0.f) a.x += w * v.x, a.y += w * v.y, a.z += w * v.z, a.w += w * v.w;
+      const float* const wr = w_s + r * n;
+      const float* const ar = sf + r * n * D + 4 * d4;
+      for (int j0 = 0; j0 < n; j0 += U) {
+        float w[U];
+        float4 v[U];
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+          const int j = min(j0 + k, n - 1);
+          w[k] = j0 + k < n ? wr[j] : 0.f;
+          v[k] = *reinterpret_cast<const float4*>(ar + j * D);
+        }
+#pragma unroll
+        for (int k = 0; k < U; ++k)  // w = 0: skip (an empty split's partial may be garbage)
+          if (w[k] > 0.f) a.x += w[k] * v[k].x, a.y += w[k] * v[k].y, a.z += w[k] * v[k].z, a.w += w[k] * v[k].w;
       }
       const int rr = r0 + r;
       if (dst >= 0) {
