@@ -171,14 +171,16 @@ class LazyQwenGDN(QwenGatedDeltaNetAttention):
         conv_out = self._hh_conv(x, md, spec_idx, qsl, acc, num_tokens, width_t, uniform)
         q, k, v = self.rearrange_mixed_qkv(conv_out)  # [1, n_tok, heads, dim]
         st = self._hh_lazy_state()
-        dt = st.log.dtype
+        # The log keeps k exactly in its own dtype (the model dtype; u and the decay in fp32):
+        # only k must match it, v, a and b go in as they are.
+        kd = st.log.dtype
 
         def rows(t: torch.Tensor) -> torch.Tensor:
             return pad_rows(t, qsl, n_rows, width_t, uniform)
 
         o = st.verify(
-            rows(q[0]), rows(k[0].to(dt)), rows(v[0].to(dt)), rows(a[:n_tok].to(dt).contiguous()),
-            rows(b[:n_tok].to(dt).contiguous()), self.A_log, self.dt_bias, spec_idx, acc,
+            rows(q[0]), rows(k[0].to(kd)), rows(v[0]), rows(a[:n_tok].contiguous()),
+            rows(b[:n_tok].contiguous()), self.A_log, self.dt_bias, spec_idx, acc,
             num_tokens=None if uniform == width_t else num_tokens,
         )
         if uniform == width_t:

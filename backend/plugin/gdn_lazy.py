@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 
 import kernels.gdn_verify as triton_kernels
-from kernels.gdn_verify import gdn_log_empty
-from kernels.gdn_verify.reference import gdn_gates, naive_gdn_step
+from kernels.gdn_verify import gdn_log_empty, log_layout, log_view_f32
+from kernels.gdn_verify.reference import gdn_gates
 
 __all__ = ["LazyGdnState", "TorchGdnKernels", "pad_rows", "spec_conv_update", "unpad_rows"]
 
@@ -36,31 +36,49 @@ __all__ = ["LazyGdnState", "TorchGdnKernels", "pad_rows", "spec_conv_update", "u
 class TorchGdnKernels:
     """The three `kernels.gdn_verify` entry points in plain torch (same contract: log layout,
     parity halves, num_replay, negative slots, [K, V] or [V, K] pools), one request and token at
-    a time with the reference's fp32 step (`reference.naive_gdn_step`).
+    a time with the reference's fp32 step (`reference.naive_gdn_step`'s order of operations).
 
     For CPU engines: Triton's interpreter takes seconds per call at the real head size, far too
-    slow to serve even the test model.  Lazy and eager here round at the same points, so they are
-    bit-identical to each other (not to the Triton kernel: other reduction order).
+    slow to serve even the test model.  Like the kernel, a new token logs what its update used
+    (raw k, u, decay and 1/||k||, `log_layout`) and a replayed token is only
+    ``h * decay + (k * rk) (x) u``, the same torch ops on the same values, so lazy and eager are
+    bit-identical to each other (not to the Triton kernel: other reduction order; the log's u is
+    the kernel's FOLD=0 form, so the twin and the kernel must not share a log).
     """
 
     @staticmethod
-    def _norm(x: torch.Tensor, hv: int) -> torch.Tensor:
-        """One token's [H, D] -> l2-normalised fp32 [HV, D] (grouped heads share a key head)."""
+    def _rnorm(x: torch.Tensor) -> torch.Tensor:
+        """One token's [H, D] -> fp32 [H, 1] factor 1 / ||x|| (eps inside the sqrt)."""
         x = x.float()
-        x = x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+        return torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+    @staticmethod
+    def _normed(x: torch.Tensor, r: torch.Tensor, hv: int) -> torch.Tensor:
+        """[H, D] * [H, 1] -> fp32 [HV, D] (grouped value heads share a key head)."""
+        x = x.float() * r
         return x.repeat_interleave(hv // x.shape[0], dim=0)
+
+    @staticmethod
+    def _rank1(h, kn, u, decay):
+        """h * decay + kn (x) u: the update of a new token and of its replay (same ops, same
+        shapes: CPU kernels round alike)."""
+        return h * decay[:, None, None] + kn[:, :, None] * u[:, None, :]
 
     @classmethod
     def _token(cls, h, k_tok, v_tok, a_tok, b_tok, A_log, dt_bias):
-        """One delta-rule step; every path calls it on one token's tensors of the same shapes, so
-        CPU reductions and vectorised transcendentals round identically (lazy == eager)."""
+        """One new token: (new h, u [HV, V], decay [HV], rk [H, 1]), the last three what its
+        replay reads back from the log."""
         decay, beta = gdn_gates(a_tok, b_tok, A_log, dt_bias)
-        return naive_gdn_step(h, cls._norm(k_tok, h.shape[0]), v_tok, decay, beta)
+        rk = cls._rnorm(k_tok)
+        kn = cls._normed(k_tok, rk, h.shape[0])
+        hd = h * decay[:, None, None]
+        u = (v_tok.float() - (hd * kn[:, :, None]).sum(-2)) * beta[:, None]
+        return cls._rank1(h, kn, u, decay), u, decay, rk
 
-    @staticmethod
-    def _out(h, q_tok, scale: float | None):
+    @classmethod
+    def _out(cls, h, q_tok, scale: float | None):
         K = q_tok.shape[-1]
-        qn = TorchGdnKernels._norm(q_tok, h.shape[0]) * (K**-0.5 if scale is None else scale)
+        qn = cls._normed(q_tok, cls._rnorm(q_tok), h.shape[0]) * (K**-0.5 if scale is None else scale)
         return (h * qn[:, :, None]).sum(-2)
 
     @staticmethod
@@ -73,22 +91,36 @@ class TorchGdnKernels:
         state[slot] = (h.transpose(-1, -2) if state_vk else h).to(state.dtype)
 
     @classmethod
-    def _replay(cls, h, log_rows, H: int, A_log, dt_bias):
+    def _replay(cls, h, log, slot: int, par: int, r: int, H: int):
         hv, K, V = h.shape
-        for row in log_rows:
-            h = cls._token(h, row[: H * K].view(H, K), row[H * K : H * K + hv * V].view(hv, V),
-                           row[H * K + hv * V : H * K + hv * V + hv], row[H * K + hv * V + hv :],
-                           A_log, dt_bias)
+        lay = log_layout(H, K, hv, V, log.dtype)
+        logf = log_view_f32(log)
+        for t in range(r):
+            words = logf[slot, par, t]
+            kn = cls._normed(log[slot, par, t, : H * K].view(H, K), words[lay.rk : lay.rk + H].view(H, 1), hv)
+            h = cls._rank1(h, kn, words[lay.u : lay.u + hv * V].view(hv, V), words[lay.decay : lay.decay + hv])
         return h
+
+    @staticmethod
+    def _write_log(log, slot: int, half: int, t: int, k_tok, u, decay, rk) -> None:
+        H, K = k_tok.shape
+        hv, V = u.shape
+        lay = log_layout(H, K, hv, V, log.dtype)
+        log[slot, half, t, : H * K] = k_tok.reshape(-1).to(log.dtype)  # exact: checked dtypes
+        words = log_view_f32(log)[slot, half, t]
+        words[lay.u : lay.u + hv * V] = u.reshape(-1)
+        words[lay.decay : lay.decay + hv] = decay
+        words[lay.rk : lay.rk + H] = rk.reshape(-1)
 
     @classmethod
     def fused_recurrent_gdn_verify(cls, q, k, v, a, b, A_log, dt_bias, state, state_indices, log,
                                    log_parity, num_replay, scale=None, out=None, state_vk=False):
         B, T, H, _ = q.shape
         hv = v.shape[2]
+        if log.dtype not in (k.dtype, torch.float32):
+            raise ValueError(f"a {log.dtype} log cannot hold k of {k.dtype} exactly: use a {k.dtype} or fp32 log")
         par = int(log_parity.item())
         o = out if out is not None else torch.empty(B, T, hv, v.shape[-1], dtype=q.dtype, device=q.device)
-        row = torch.cat([k.reshape(B, T, -1), v.reshape(B, T, -1), a, b], dim=-1)
         for i in range(B):
             slot = int(state_indices[i])
             if slot < 0:
@@ -96,13 +128,13 @@ class TorchGdnKernels:
             h = cls._load(state, slot, state_vk)
             r = int(num_replay[i])
             if r:
-                h = cls._replay(h, log[slot, par, :r], H, A_log, dt_bias)
+                h = cls._replay(h, log, slot, par, r, H)
                 h = h.to(state.dtype).float()
                 cls._store(state, slot, h, state_vk)
             for t in range(T):
-                h = cls._token(h, k[i, t], v[i, t], a[i, t], b[i, t], A_log, dt_bias)
+                h, u, decay, rk = cls._token(h, k[i, t], v[i, t], a[i, t], b[i, t], A_log, dt_bias)
                 o[i, t] = cls._out(h, q[i, t], scale).to(o.dtype)
-            log[slot, 1 - par, :T] = row[i]
+                cls._write_log(log, slot, 1 - par, t, k[i, t], u, decay, rk)
         return o
 
     @classmethod
@@ -113,7 +145,7 @@ class TorchGdnKernels:
             slot, r = int(state_indices[i]), int(num_replay[i])
             if slot < 0 or r == 0:
                 continue
-            h = cls._replay(cls._load(state, slot, state_vk), log[slot, par, :r], num_k_heads, A_log, dt_bias)
+            h = cls._replay(cls._load(state, slot, state_vk), log, slot, par, r, num_k_heads)
             cls._store(state, slot, h, state_vk)
 
     @classmethod
@@ -128,7 +160,7 @@ class TorchGdnKernels:
                 continue
             h = cls._load(state, slot, state_vk)
             for t in range(T):
-                h = cls._token(h, k[i, t], v[i, t], a[i, t], b[i, t], A_log, dt_bias)
+                h = cls._token(h, k[i, t], v[i, t], a[i, t], b[i, t], A_log, dt_bias)[0]
                 o[i, t] = cls._out(h, q[i, t], scale).to(o.dtype)
                 dst = int(token_indices[i, t])
                 if dst >= 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.gdn_verify.log_layout import log_layout, log_view_f32
 from kernels.gdn_verify.reference import (
     naive_recurrent_gdn_verify_eager,
     naive_recurrent_gdn_verify_lazy,
@@ -21,6 +22,8 @@ __all__ = [
     "fused_recurrent_gdn_verify",
     "fused_recurrent_gdn_verify_eager",
     "gdn_log_empty",
+    "log_layout",
+    "log_view_f32",
     "naive_recurrent_gdn_verify_eager",
     "naive_recurrent_gdn_verify_lazy",
 ]
@@ -36,14 +39,23 @@ def gdn_log_empty(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> torch.Tensor:
-    """Allocate a token log: [S, 2, TL, H*K + HV*V + 2*HV] in the dtype of k, v, a and b.
+    """Allocate a token log: [S, 2, TL, row] of ``dtype``, the dtype of the k it stores exactly
+    (the inputs' k dtype, or fp32 for any k).
 
-    Row layout per token: raw k (H*K) | v (HV*V) | a (HV) | b (HV).  Half ``p`` of slot s is read
-    by a step whose ``log_parity`` is p; that step writes half 1 - p.  Contents need no init: a
-    slot's first step must use num_replay = 0.
+    Row per token (kernels/gdn_verify/log_layout.py): raw k (H*K, in ``dtype``) | u (HV*V) |
+    decay (HV) | rk (H), the last three fp32 (read through ``log.view(torch.float32)``), each
+    section 16-byte aligned.  Half ``p`` of slot s is read by a step whose ``log_parity`` is p;
+    that step writes half 1 - p.  Contents need no init: a slot's first step must use
+    num_replay = 0.
+
+    Bytes per slot and layer: 2 * TL * row_bytes, row_bytes = 2*H*K + 4*(HV*V + HV + H) for a
+    16-bit ``dtype`` (rounded up to 16).  Qwen3.5 GDN (H=16, K=128, HV=48, V=128), bf16 k:
+    28,928 B per token, TL=8: 452 KiB per slot and layer, 21.2 MiB per slot over 48 layers
+    (the raw k|v|a|b log of 86a6d8f took 16,576 B per token: 12.1 MiB per slot; an fp32 k
+    adds 4 KiB per token).
     """
-    row = num_k_heads * k_dim + num_v_heads * v_dim + 2 * num_v_heads
-    return torch.empty(num_slots, 2, max_tokens, row, dtype=dtype, device=device)
+    lay = log_layout(num_k_heads, k_dim, num_v_heads, v_dim, dtype)
+    return torch.empty(num_slots, 2, max_tokens, lay.row, dtype=dtype, device=device)
 
 
 def fused_recurrent_gdn_verify(
@@ -74,13 +86,14 @@ def fused_recurrent_gdn_verify(
     Args:
         q, k: [B, T, H, K] (any float dtype; last two dims dense, batch/token strides free).
         v: [B, T, HV, V]; a, b: [B, T, HV] raw gate inputs (g = -exp(A_log)·softplus(a + dt_bias),
-            beta = sigmoid(b)); k, v, a, b must share the log's dtype.
+            beta = sigmoid(b)); any float dtypes, k's must be the log's (or the log fp32).
         A_log, dt_bias: [HV].
         state: [S, HV, K, V] fp32/bf16/fp16 base states, updated in place ([S, HV, V, K] with
             ``state_vk=True``).
         state_indices: [B] int32/int64 slot per request; a negative slot skips the request (its
             outputs are left unwritten).
-        log: [S, 2, TL, H*K + HV*V + 2*HV] from :func:`gdn_log_empty`, T <= TL.
+        log: [S, 2, TL, row] from :func:`gdn_log_empty`, T <= TL; it holds each token's
+            raw k, delta vector u and decay, so a replayed token is a rank-1 update only.
         log_parity: [1] int32 device tensor; flip it (``log_parity ^= 1``) once per engine step,
             after the last layer.
         num_replay: [B] int32 tokens of the previous step to commit, in [0, T_prev]; in vLLM terms

@@ -6,15 +6,21 @@ accepted tokens, rounds once to the state dtype (the eager path's store point), 
 when it changed, runs the T new tokens for their outputs, and writes the new log; per layer and
 request that is 1 state read + <= 1 state write instead of vLLM's 1 read + T writes.
 
+The log holds, per token, what its state update consumed (log_layout.py): raw k, the delta vector
+u (fp32, [HV, V]) and the decay (fp32).  A new token computes u from the state (gates, key norm,
+k.h reduction) and applies ``h = h * decay + k (x) u``; its replay in the next step starts from the
+same base in the same fp32 registers, so it would recompute bit-for-bit the same u: it reads u and
+the decay back and applies only the rank-1 update, with the same explicit FMAs (``_rank1``).  That
+keeps lazy == eager bit-identical and makes a replayed token about half a new token's work.
+
 All token loops are unrolled (T and the log capacity TL are constexpr) and the replay is
 predicated in groups of RG tokens, so the loads of a group sit in one straight-line block that the
 compiler hoists: the global-load latency is paid once per group, not once per token (vLLM's and
 fla's loops pay it per token); new tokens' inputs are prefetched PF tokens ahead.  Tiling knobs and
-their measured defaults: ``_default_config``.  Replay and new tokens go through the same ``_delta_step`` code, which is what
-makes lazy and eager states bit-identical.
+their measured defaults: ``_default_config``.
 
 The log is double buffered, ``log[slot, parity]``: step n reads half ``parity`` and writes half
-``1 - parity`` because the programs of one request share its k/a/b rows.  The caller flips the
+``1 - parity`` because the programs of one request share its k, decay and rk entries.  The caller flips the
 one-element device tensor ``log_parity`` once per engine step (after all layers), so the launch
 stays CUDA-graph capturable.
 """
@@ -25,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gdn_verify.log_layout import log_layout, log_view_f32
 
 
 def _default_config(batch: int, state_dtype: torch.dtype, state_vk: bool = False) -> tuple[int, ...]:
@@ -33,7 +40,8 @@ def _default_config(batch: int, state_dtype: torch.dtype, state_vk: bool = False
 
     BV: V columns per program (one warp); VEC: state vector width along V, which fixes the lane
     split of the [K, BV] tile; PF: new tokens prefetched ahead (<= 4); RG: replay tokens per
-    predicated group; FOLD: norms/decay folded into scalars (see _delta_step).  KCVT switches
+    predicated group; FOLD: norms/decay folded into scalars (see _delta_u; the
+    log's u depends on FOLD: replay a log with the FOLD that wrote it).  KCVT switches
     one of three edits suspected of the fp32 B=1/4 regression against da5db45 (bisected by the
     sweep; it changes no result bit): KCVT=1 converts a replayed k to fp32 right at its load, so
     its layout change (a shared-memory round trip with a barrier) waits for that load before the
@@ -96,20 +104,31 @@ def _rnorm(x):
 
 
 @triton.jit
-def _delta_step(b_h, b_k, rk, b_v, decay, beta, FOLD: tl.constexpr):
-    """b_h: [BK, BV] fp32 state tile; b_k: [BK] raw key (fp32) and rk its 1/norm; b_v: [BV];
-    decay, beta: scalars.  FOLD=1 folds the norm and the decay into scalars/[BV] vectors (the
-    k.h reduction does not wait for the decay multiply, no [BK] normalisation); FOLD=0 is the
-    reference's order: normalise k, decay h, then reduce."""
+def _delta_u(b_h, b_k, rk, b_v, decay, beta, FOLD: tl.constexpr):
+    """The token's delta vector u: [BV] fp32.  b_h: [BK, BV] fp32 state tile before the token;
+    b_k: [BK] raw key (fp32) and rk its 1/norm; b_v: [BV]; decay, beta: scalars.  FOLD=1 folds
+    the norm and the decay into scalars ([BV] work only, the k.h reduction does not wait for the
+    decay multiply): u = (v - (k.h) * decay * rk) * beta * rk, to be applied to the raw k.  FOLD=0
+    is the reference's order: u = (v - kn.(h * decay)) * beta, applied to kn = k * rk."""
     if FOLD:
         b_kh = tl.sum(b_h * b_k[:, None], 0)
-        b_u = (b_v - b_kh * (decay * rk)) * (beta * rk)
-        return b_h * decay + b_k[:, None] * b_u[None, :]
+        # v - kh * (decay * rk) as one explicit FMA (ptxas would contract it anyway; pinned so
+        # that the lazy and eager kernels cannot round it differently)
+        return tl.fma(b_kh, -(decay * rk), b_v) * (beta * rk)
     else:
         b_kn = b_k * rk
-        b_h = b_h * decay
-        b_u = (b_v - tl.sum(b_h * b_kn[:, None], 0)) * beta
-        return b_h + b_kn[:, None] * b_u[None, :]
+        return (b_v - tl.sum((b_h * decay) * b_kn[:, None], 0)) * beta
+
+
+@triton.jit
+def _rank1(b_h, b_k, rk, b_u, decay, FOLD: tl.constexpr):
+    """h * decay + k (x) u with the rounding pinned by explicit FMAs: a new token and its replay
+    (u and decay read back from the log) run exactly these operations on the same fp32 values,
+    which is what keeps lazy and eager states bit-identical.  FOLD=0 scales k by rk first."""
+    if FOLD:
+        return tl.fma(b_h, decay, b_k[:, None] * b_u[None, :])
+    else:
+        return tl.fma((b_k * rk)[:, None], b_u[None, :], b_h * decay)
 
 
 @triton.jit
@@ -137,7 +156,7 @@ def _load_token(q, k, v, a, b, i_b, t, i_h, i_hv, o_k, o_v, m_k, m_v,
 @triton.jit
 def gdn_verify_kernel(
     q, k, v, a, b, A_log, dt_bias, o,
-    state, init_idx, tok_idx, log, log_parity, num_replay,
+    state, init_idx, tok_idx, log, logf, log_parity, num_replay,
     scale,
     s_qk_b, s_qk_t, s_v_b, s_v_t, s_ab_b, s_ab_t, s_state,
     T: tl.constexpr, TL: tl.constexpr,
@@ -146,6 +165,7 @@ def gdn_verify_kernel(
     LAZY: tl.constexpr, STATE_VK: tl.constexpr,
     VEC: tl.constexpr, PF: tl.constexpr, RG: tl.constexpr, FOLD: tl.constexpr,
     KCVT: tl.constexpr,
+    LR: tl.constexpr, LRW: tl.constexpr, OFF_U: tl.constexpr, OFF_D: tl.constexpr, OFF_RK: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -191,30 +211,37 @@ def gdn_verify_kernel(
         q3, k3, v3, a3, b3 = _load_token(q, k, v, a, b, i_b, 3, i_h, i_hv, o_k, o_v, m_k, m_v,
                                          s_qk_b, s_qk_t, s_v_b, s_v_t, s_ab_b, s_ab_t, K, V)
 
-    LR: tl.constexpr = H * K + HV * V + 2 * HV  # log row: k | v | a | b
+    # Log rows (log_layout.py): raw k in the log's dtype through `log` (LR elements per row), then
+    # u, decay and rk in fp32 through `logf`, the same storage in fp32 words (LRW per row).
     if LAZY:
         par = tl.load(log_parity).to(tl.int64)
         p_lin = log + (slot * 2 + par) * TL * LR
         p_lout = log + (slot * 2 + 1 - par) * TL * LR
+        pf_lin = logf + (slot * 2 + par) * TL * LRW
+        pf_lout = logf + (slot * 2 + 1 - par) * TL * LRW
         r = tl.load(num_replay + i_b)
         # Replay predicated in groups of RG tokens: a group's loads sit in one straight-line block
         # that the compiler hoists (latency paid once per group), at most RG - 1 wasted steps.
+        # A replayed token is a pure rank-1 update from its logged k, u and decay: no gates, no
+        # k.h reduction, no key norm (FOLD=0 reads rk instead of recomputing it).
         for g in tl.static_range(0, TL, RG):
             if r > g:
                 for j in tl.static_range(RG):
                     if g + j < TL:
                         m_i = g + j < r
                         p_row = p_lin + (g + j) * LR
+                        pf_row = pf_lin + (g + j) * LRW
                         l_k = tl.load(p_row + i_h * K + o_k, mask=_and(m_k, m_i), other=0)
                         if KCVT:  # the conversion (and its layout change) sits right at the load
                             l_k = l_k.to(tl.float32)
-                        l_v = tl.load(p_row + H * K + i_hv * V + o_v, mask=_and(m_v, m_i), other=0)
-                        l_a = tl.load(p_row + H * K + HV * V + i_hv, mask=m_i, other=0)
-                        l_b = tl.load(p_row + H * K + HV * V + HV + i_hv, mask=m_i, other=0)
-                        decay, beta = _gates(l_a, l_b, neg_exp_A, dt)
+                        l_u = tl.load(pf_row + OFF_U + i_hv * V + o_v, mask=_and(m_v, m_i), other=0)
+                        l_d = tl.load(pf_row + OFF_D + i_hv, mask=m_i, other=0)
+                        if FOLD:
+                            l_rk = 1.0
+                        else:
+                            l_rk = tl.load(pf_row + OFF_RK + i_h, mask=m_i, other=0)
                         # KCVT=0: converted only here, after this token's other loads were issued
-                        f_lk = l_k.to(tl.float32)
-                        b_hn = _delta_step(b_h, f_lk, _rnorm(f_lk), l_v.to(tl.float32), decay, beta, FOLD)
+                        b_hn = _rank1(b_h, l_k.to(tl.float32), l_rk, l_u, l_d, FOLD)
                         b_h = tl.where(m_i, b_hn, b_h)
         # The eager path rounds here (its stored state of the last accepted token); idempotent
         # when nothing was replayed.
@@ -223,6 +250,7 @@ def gdn_verify_kernel(
         # k rows are shared by HV // H value heads and all V tiles: one program writes each.
         m_wk = _and(m_k, (i_v == 0) & (i_hv % (HV // H) == 0))
         m_wab = i_v == 0
+        m_wrk = (i_v == 0) & (i_hv % (HV // H) == 0)
 
     for t in tl.static_range(T):
         # rotate the prefetch queue (depth PF <= 4) and load token t + PF into its tail
@@ -247,15 +275,19 @@ def gdn_verify_kernel(
         f_q = r_q.to(tl.float32)
         f_k = r_k.to(tl.float32)
         decay, beta = _gates(r_a, r_b, neg_exp_A, dt)
-        b_h = _delta_step(b_h, f_k, _rnorm(f_k), r_v.to(tl.float32), decay, beta, FOLD)
+        rk = _rnorm(f_k)
+        b_u = _delta_u(b_h, f_k, rk, r_v.to(tl.float32), decay, beta, FOLD)
+        b_h = _rank1(b_h, f_k, rk, b_u, decay, FOLD)
         b_o = _out(b_h, f_q, _rnorm(f_q) * scale, FOLD)
         tl.store(o + ((i_b * T + t) * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if LAZY:
-            p_row = p_lout + t * LR
-            tl.store(p_row + i_h * K + o_k, r_k, mask=m_wk)
-            tl.store(p_row + H * K + i_hv * V + o_v, r_v, mask=m_v)
-            tl.store(p_row + H * K + HV * V + i_hv, r_a, mask=m_wab)
-            tl.store(p_row + H * K + HV * V + HV + i_hv, r_b, mask=m_wab)
+            # what the replay of this token needs, exactly as used above (k converts exactly:
+            # the log is in k's dtype or fp32)
+            tl.store(p_lout + t * LR + i_h * K + o_k, r_k.to(log.dtype.element_ty), mask=m_wk)
+            pf_row = pf_lout + t * LRW
+            tl.store(pf_row + OFF_U + i_hv * V + o_v, b_u, mask=m_v)
+            tl.store(pf_row + OFF_D + i_hv, decay, mask=m_wab)
+            tl.store(pf_row + OFF_RK + i_h, rk, mask=m_wrk)
         else:
             i_s = tl.load(tok_idx + i_b * T + t).to(tl.int64)
             tl.store(state + i_s * s_state + o_s, b_h.to(state.dtype.element_ty), mask=_and(m_h, i_s >= 0))
@@ -314,12 +346,17 @@ def gdn_verify_fwd(
         raise ValueError(f"state must be dense per slot, shape {tuple(state.shape)} strides {state.stride()}")
     if lazy:
         TL = log.shape[2]
-        if log.shape[1] != 2 or log.shape[3] != H * K + HV * V + 2 * HV or not log.is_contiguous():
-            raise ValueError(f"log must be a contiguous [slots, 2, TL, H*K+HV*V+2*HV], got {tuple(log.shape)}")
+        lay = log_layout(H, K, HV, V, log.dtype)
+        if log.shape[1] != 2 or log.shape[3] != lay.row or not log.is_contiguous():
+            raise ValueError(f"log must be a contiguous [slots, 2, TL, {lay.row}] (gdn_log_empty), got {tuple(log.shape)}")
         if T > TL:
             raise ValueError(f"T={T} tokens do not fit a log of {TL} tokens")
+        logf = log_view_f32(log)
+        lay_kw = dict(LR=lay.row, LRW=lay.row_words, OFF_U=lay.u, OFF_D=lay.decay, OFF_RK=lay.rk)
     else:
         TL = 1
+        logf = state
+        lay_kw = dict(LR=0, LRW=0, OFF_U=0, OFF_D=0, OFF_RK=0)
     if q is None:
         dummy = torch.empty(0, device=state.device, dtype=log.dtype if lazy else state.dtype)
         q = k = v = a = b = dummy
@@ -330,8 +367,9 @@ def gdn_verify_fwd(
             raise ValueError(f"q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} vs state {tuple(state.shape)}")
         if a.shape != (B, T, HV) or b.shape != (B, T, HV):
             raise ValueError(f"a {tuple(a.shape)}, b {tuple(b.shape)} must be [{B}, {T}, {HV}]")
-        if lazy and not (k.dtype == v.dtype == a.dtype == b.dtype == log.dtype):
-            raise ValueError(f"k, v, a, b and log must share a dtype: {k.dtype} {v.dtype} {a.dtype} {b.dtype} {log.dtype}")
+        if lazy and log.dtype not in (k.dtype, torch.float32):
+            # the replay must see k exactly as the step did
+            raise ValueError(f"a {log.dtype} log cannot hold k of {k.dtype} exactly: use a {k.dtype} or fp32 log")
         if q.stride() != k.stride():
             q, k = q.contiguous(), k.contiguous()
         q, *sqk = _dense(q, "q", K)
@@ -348,13 +386,13 @@ def gdn_verify_fwd(
     gdn_verify_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, o,
         state, init_idx, tok_idx if tok_idx is not None else init_idx,
-        log if lazy else state, log_parity if lazy else init_idx,
+        log if lazy else state, logf, log_parity if lazy else init_idx,
         num_replay if lazy else init_idx,
         K**-0.5 if scale is None else scale,
         sqk[0], sqk[1], sv[0], sv[1], sab[0], sab[1], state.stride(0),
         T=T, TL=TL, H=H, HV=HV, K=K, V=V,
         BK=triton.next_power_of_2(K), BV=BV, LAZY=lazy, STATE_VK=state_vk,
-        VEC=min(vec, BV), PF=pf, RG=rg, FOLD=bool(fold), KCVT=bool(kcvt),
+        VEC=min(vec, BV), PF=pf, RG=rg, FOLD=bool(fold), KCVT=bool(kcvt), **lay_kw,
         num_warps=num_warps, num_stages=1,
     )
     return o if T else None

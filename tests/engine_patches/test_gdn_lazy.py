@@ -164,6 +164,49 @@ def test_triton_kernel_lazy_equals_eager_bit_for_bit(monkeypatch: pytest.MonkeyP
         assert torch.allclose(x, y, atol=2e-2, rtol=2e-2), (x - y).abs().max()
 
 
+@pytest.mark.kernels
+def test_torch_twin_writes_the_kernels_log_layout() -> None:
+    """The torch twin and the Triton kernel (interpreter, FOLD=0: the twin's arithmetic) write
+    the same log rows (raw k exact; u, decay, 1/||k|| up to reduction order) and replay them to
+    the same states; the twin with an fp32 log holding the bf16 keys is bit-identical to the
+    twin with a bf16 log."""
+    import kernels.gdn_verify as kv
+    from backend.plugin.gdn_lazy import TorchGdnKernels as tk
+
+    B, T, h, hv, k_dim, v_dim = 2, 3, 1, 2, 16, 8
+    g = torch.Generator().manual_seed(9)
+    A_log, dt_bias = torch.randn(hv, generator=g) * 0.5, torch.randn(hv, generator=g) * 0.5
+    steps = [tuple(torch.randn(B, T, *shape, generator=g).to(DT) for shape in
+                   ((h, k_dim), (h, k_dim), (hv, v_dim), (hv,), (hv,))) for _ in range(2)]
+    base = torch.randn(3, hv, k_dim, v_dim, generator=g) * 0.3
+    slots = torch.tensor([2, 0], dtype=torch.int32)
+    runs = {}
+    for name, impl, log_dtype in (("kernel", kv, DT), ("twin", tk, DT), ("twin-fp32-log", tk, torch.float32)):
+        pool = base.clone()
+        log = kv.gdn_log_empty(3, T, h, k_dim, hv, v_dim, log_dtype, "cpu").fill_(float("nan"))
+        par = torch.zeros(1, dtype=torch.int32)
+        kw = dict(config=(8, 1, 2, 2, 4, 0)) if impl is kv else {}
+        outs = []
+        for n, (q, k, v, a, b) in enumerate(steps):
+            replay = torch.tensor([0, 0] if n == 0 else [3, 1], dtype=torch.int32)
+            outs.append(impl.fused_recurrent_gdn_verify(q, k, v, a, b, A_log, dt_bias, pool, slots, log, par,
+                                                        replay, **kw))
+            if n == 0:
+                first_log = log.clone()
+            par ^= 1
+        runs[name] = (pool, first_log, outs)
+    lay = kv.log_layout(h, k_dim, hv, v_dim, DT)
+    (p_k, l_k, o_k), (p_t, l_t, o_t), (p_f, l_f, o_f) = runs["kernel"], runs["twin"], runs["twin-fp32-log"]
+    rows = l_k[slots.long(), 1]  # [B, T, row]: the first step wrote half 1
+    assert torch.equal(rows[..., : h * k_dim], l_t[slots.long(), 1][..., : h * k_dim])
+    assert torch.equal(rows[..., : h * k_dim].view(B, T, h, k_dim), steps[0][1])
+    words_k, words_t = (kv.log_view_f32(x)[slots.long(), 1] for x in (l_k, l_t))
+    for lo, n in ((lay.u, hv * v_dim), (lay.decay, hv), (lay.rk, h)):
+        assert torch.allclose(words_k[..., lo : lo + n], words_t[..., lo : lo + n], rtol=1e-4, atol=1e-5)
+    assert torch.allclose(p_k, p_t, rtol=1e-4, atol=1e-5)
+    assert torch.equal(p_t, p_f) and all(torch.equal(x, y) for x, y in zip(o_t, o_f, strict=True))
+
+
 def test_commit_for_upstream_leaves_vllm_form(monkeypatch: pytest.MonkeyPatch) -> None:
     """A mixed step after lazy steps: the spec rows are committed to column num_accepted - 1 (what
     vLLM's own path reads), non-spec slots forget their logs, then upstream runs."""

@@ -84,10 +84,11 @@ def test_eager_matches_reference(B, T, H, HV, K, V, sdtype):
 class EagerRunner:
     """vLLM-style state keeping: each request owns T + 1 slots; the step starts from `cur`."""
 
-    def __init__(self, h0, T, config=None):
+    def __init__(self, h0, T, config=None, state_vk=False):
         B = h0.shape[0]
         self.T = T
         self.config = config
+        self.state_vk = state_vk
         self.pool = torch.full((1 + B * (T + 1), *h0.shape[1:]), float("nan"), dtype=h0.dtype, device=DEVICE)
         self.cur = [1 + i * (T + 1) for i in range(B)]
         self.pool[self.cur] = h0
@@ -101,7 +102,7 @@ class EagerRunner:
         tok_t = torch.tensor(tok, dtype=torch.int32, device=DEVICE)
         init = torch.tensor(self.cur, dtype=torch.int32, device=DEVICE)
         o = fused_recurrent_gdn_verify_eager(**x, state=self.pool, init_indices=init, token_indices=tok_t, out=out,
-                                             config=self.config)
+                                             config=self.config, state_vk=self.state_vk)
         self._tok = tok
         return o
 
@@ -112,30 +113,36 @@ class EagerRunner:
         return self.pool[self.cur]
 
 
-def _lazy_vs_eager(sdtype, B, T, H, HV, K, V, steps, config=None, seed=100):
+def _lazy_vs_eager(sdtype, B, T, H, HV, K, V, steps, config=None, seed=100, state_vk=False,
+                   log_dtype=torch.bfloat16, in_dtypes=None):
     """Run lazy and eager side by side over `steps` (accepted counts after each step); assert
-    outputs and states bit-identical at every step and after a final commit."""
-    h0 = torch.randn(B, HV, K, V).mul(0.3).to(sdtype).to(DEVICE)
-    eager = EagerRunner(h0, T, config)
+    outputs and states bit-identical at every step and after a final commit.  ``in_dtypes``:
+    per-input dtypes (e.g. {"v": torch.float32}); ``state_vk``: [S, HV, V, K] pools."""
+    shape = (B, HV, V, K) if state_vk else (B, HV, K, V)
+    h0 = torch.randn(*shape).mul(0.3).to(sdtype).to(DEVICE)
+    eager = EagerRunner(h0, T, config, state_vk)
     slots = torch.tensor([2, 0, 5][:B], dtype=torch.int32, device=DEVICE)
-    lazy_pool = torch.full((6, HV, K, V), float("nan"), dtype=sdtype, device=DEVICE)
+    lazy_pool = torch.full((6, *shape[1:]), float("nan"), dtype=sdtype, device=DEVICE)
     lazy_pool[slots.long()] = h0
-    log = gdn_log_empty(6, T, H, K, HV, V, torch.bfloat16, DEVICE).fill_(float("nan"))
+    log = gdn_log_empty(6, T, H, K, HV, V, log_dtype, DEVICE).fill_(float("nan"))
     parity = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     replay = torch.zeros(B, dtype=torch.int32, device=DEVICE)
     for n, accepted in enumerate(steps):
         x = make_inputs(B, T, H, HV, K, V, seed=seed + n)
+        for name, dt in (in_dtypes or {}).items():
+            x[name] = x[name].to(dt)
         o_e = eager.step(x, nan_out(B, T, HV, V))
         o_l = fused_recurrent_gdn_verify(
             **x, state=lazy_pool, state_indices=slots, log=log, log_parity=parity,
-            num_replay=replay, out=nan_out(B, T, HV, V), config=config,
+            num_replay=replay, out=nan_out(B, T, HV, V), config=config, state_vk=state_vk,
         )
         assert torch.equal(o_l, o_e), f"step {n}: outputs differ"
         assert torch.equal(lazy_pool[slots.long()], eager.states()), f"step {n}: base != eager start"
         eager.accept(accepted)
         replay = torch.tensor(accepted, dtype=torch.int32, device=DEVICE)
         parity ^= 1
-    fused_recurrent_gdn_commit(x["A_log"], x["dt_bias"], lazy_pool, slots, log, parity, replay, H, config=config)
+    fused_recurrent_gdn_commit(x["A_log"], x["dt_bias"], lazy_pool, slots, log, parity, replay, H, config=config,
+                               state_vk=state_vk)
     assert torch.equal(lazy_pool[slots.long()], eager.states()), "committed state != eager state"
 
 
@@ -152,6 +159,33 @@ def test_lazy_bit_identical_to_eager(sdtype):
 def test_lazy_bit_identical_to_eager_configs(config):
     steps = [[5, 0, 2], [1, 5, 3], [0, 2, 5]]
     _lazy_vs_eager(torch.bfloat16, 3, 5, 1, 2, 16, 20, steps, config=config, seed=300)
+
+
+def test_lazy_bit_identical_to_eager_vk_fp32_log_mixed_inputs():
+    """vLLM's [V, K] pool layout, an fp32 log holding bf16 keys, v/a/b in other dtypes than k:
+    the replay (rank-1 updates from the logged u) still reproduces the eager states bit for bit."""
+    steps = [[3, 0], [1, 3], [3, 2]]
+    _lazy_vs_eager(torch.float32, 2, 3, 1, 2, 16, 12, steps, seed=600, state_vk=True, log_dtype=torch.float32,
+                   in_dtypes={"v": torch.float32, "a": torch.float16, "b": torch.float32})
+
+
+def test_log_layout_and_dtype_check():
+    from kernels.gdn_verify import log_layout
+
+    lay = log_layout(16, 128, 48, 128, torch.bfloat16)  # Qwen3.5 GDN: 28,928 B per token
+    assert (lay.row_bytes, lay.u, lay.decay, lay.rk) == (28928, 1024, 7168, 7216)
+    assert log_layout(16, 128, 48, 128, torch.float32).row_bytes == 28928 + 4096
+    lay = log_layout(1, 7, 3, 5, torch.float16)  # odd sizes: 16-byte aligned sections and rows
+    assert lay.u % 4 == 0 and lay.row_words % 4 == 0 and lay.row == 2 * lay.row_words
+    assert gdn_log_empty(3, 4, 1, 7, 3, 5, torch.float16, "cpu").shape == (3, 2, 4, lay.row)
+    B, T, H, HV, K, V = 1, 2, 1, 1, 8, 8
+    x = make_inputs(B, T, H, HV, K, V, seed=1, dtype=torch.float16)
+    with pytest.raises(ValueError, match="cannot hold k"):
+        fused_recurrent_gdn_verify(
+            **x, state=torch.zeros(1, HV, K, V, device=DEVICE), state_indices=torch.zeros(1, dtype=torch.int32, device=DEVICE),
+            log=gdn_log_empty(1, T, H, K, HV, V, torch.bfloat16, DEVICE),
+            log_parity=torch.zeros(1, dtype=torch.int32, device=DEVICE), num_replay=torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        )
 
 
 @pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16], ids=str)
@@ -268,7 +302,8 @@ def test_real_shapes_gpu(B, sdtype):
 # (8, 1, 2, 4, 8, 0) and (16, 1, 4, 4, 8, 0) passed at eb659a6 and compile to the same SASS
 # since; they were dropped to keep the device run's compile set small.
 GPU_CONFIGS = [(8, 1, 4, 2, 4, 0), (8, 1, 2, 4, 8, 1), (16, 1, 4, 4, 8, 1), (8, 1, 2, 4, 8, 1, 0),
-               (16, 1, 4, 4, 8, 1, 0), (8, 1, 2, 2, 4, 1, 0), (8, 1, 4, 2, 4, 0, 0)]
+               (16, 1, 4, 4, 8, 1, 0), (8, 1, 2, 2, 4, 1, 0), (8, 1, 4, 2, 4, 0, 0), (8, 1, 2, 2, 8, 1, 0),
+               (16, 1, 4, 2, 8, 1, 0)]
 
 
 def _family_ref(config):
@@ -300,6 +335,18 @@ def test_real_shapes_configs_gpu(config, sdtype):
                                            out=nan_out(3, T, HV, V), config=cfg)
             outs.append((o, pool))
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), f"{config} vs {ref}"
+
+
+@pytest.mark.skipif(not CUDA, reason="real shapes need CUDA")
+@pytest.mark.parametrize("variant", ["vk", "fp32-log"])
+def test_real_shapes_log_variants_gpu(variant):
+    """Default config at real shapes on vLLM's [V, K] pool layout (bf16 state), and with an fp32
+    log holding the bf16 keys (fp32 state): lazy == eager bit for bit over two steps + commit."""
+    T, H, HV, K, V = 8, 16, 48, 128, 128
+    if variant == "vk":
+        _lazy_vs_eager(torch.bfloat16, 3, T, H, HV, K, V, [[8, 3, 0], [1, 8, 5]], seed=700, state_vk=True)
+    else:
+        _lazy_vs_eager(torch.float32, 3, T, H, HV, K, V, [[8, 3, 0], [1, 8, 5]], seed=700, log_dtype=torch.float32)
 
 
 def test_default_config_table():
