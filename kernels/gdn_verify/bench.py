@@ -5,7 +5,8 @@
 Providers (Qwen3.5-27B GDN shapes: H=16, HV=48, K=V=128, T=8 verify tokens):
   ours r=T / r=3   lazy commit, replaying T (all accepted) or 3 tokens of the previous step's log
   before r=T       the same launch through an earlier copy of kernels/gdn_verify/triton.py
-                   (``--baseline`` folder, ignored by git), for before/after ratios in one run
+                   (``--baseline`` folder, ignored by git; 86a6d8f: raw k|v|a|b log, replay
+                   recomputes gates and k.h), for before/after ratios in one run
   vllm eager       vLLM 0.32.0's fused_sigmoid_gating_delta_rule_update (1 state read, T writes),
                    copied into an ignored folder (never committed); skipped when absent
   fla 1 call       fla-core's fused_recurrent_gated_delta_rule over the T tokens (1 read, 1 fp32
@@ -28,9 +29,9 @@ import torch
 import triton
 
 from kernels.gdn_verify import (
-    fused_recurrent_gdn_verify,
     fused_recurrent_gdn_verify_eager,
     gdn_log_empty,
+    log_layout,
 )
 from kernels.gdn_verify.triton import gdn_verify_fwd
 from kernels.timing import time_graph
@@ -101,27 +102,37 @@ def io_bytes(B: int, T: int) -> int:
     return B * T * (2 * H * K + 2 * HV * V + 2 * HV) * 2  # q, k, v, o, a, b in bf16
 
 
+def old_log_row() -> int:
+    """Row of the raw k | v | a | b log (86a6d8f and earlier), for the before column."""
+    return H * K + HV * V + 2 * HV
+
+
 def case_ours(B, T, sd, r, config=None, state_vk=False, fwd=None):
+    """Ours lazy, replaying r tokens; ``fwd``: an earlier kernel's launcher (raw k|v|a|b bf16 log)."""
     x = inputs(B, T)
     state = (torch.randn(B + 1, HV, K, V, device="cuda") * 0.05).to(sd)
-    log = gdn_log_empty(B + 1, T, H, K, HV, V, torch.bfloat16, "cuda")
+    if fwd is None:
+        log = gdn_log_empty(B + 1, T, H, K, HV, V, torch.bfloat16, "cuda")
+        row_bytes = log_layout(H, K, HV, V, torch.bfloat16).row_bytes
+    else:
+        log = torch.empty(B + 1, 2, T, old_log_row(), dtype=torch.bfloat16, device="cuda")
+        row_bytes = old_log_row() * 2
     slots = torch.arange(1, B + 1, dtype=torch.int32, device="cuda")
     par = torch.zeros(1, dtype=torch.int32, device="cuda")
     zero = torch.zeros(B, dtype=torch.int32, device="cuda")
-    fused_recurrent_gdn_verify(**x, state=state, state_indices=slots, log=log, log_parity=par,
-                               num_replay=zero, state_vk=state_vk)
+    launch = fwd or gdn_verify_fwd
+    # the previous step, same config (the log's u depends on FOLD)
+    launch(**x, state=state, init_idx=slots, num_k_heads=H, log=log, log_parity=par,
+           num_replay=zero, config=config, state_vk=state_vk)
     par ^= 1  # the log of the step above is now the previous step's
     replay = torch.full((B,), r, dtype=torch.int32, device="cuda")
     o = torch.empty(B, T, HV, V, dtype=torch.bfloat16, device="cuda")
-
-    launch = fwd or gdn_verify_fwd
 
     def fn():
         launch(**x, state=state, init_idx=slots, num_k_heads=H, log=log, log_parity=par,
                num_replay=replay, out=o, config=config, state_vk=state_vk)
 
-    row = H * K + HV * V + 2 * HV
-    nbytes = B * HV * V * K * sd.itemsize * (1 + (r > 0)) + B * (r + T) * row * 2 + io_bytes(B, T)
+    nbytes = B * HV * V * K * sd.itemsize * (1 + (r > 0)) + B * (r + T) * row_bytes + io_bytes(B, T)
     return fn, nbytes
 
 

@@ -2,7 +2,7 @@
 and batch, timed side by side in one run (bench.time_graph: CUDA graph, cold L2, µs per layer, ours
 lazy with all T tokens replayed).
 
-    python -m kernels.gdn_verify.sweep [--batches 8,4,1] [--precompile]
+    python -m kernels.gdn_verify.sweep [--batches 8,4,1] [--precompile [--gdn-only]]
 
 ``--precompile`` first compiles, in parallel worker processes, every kernel variant that this sweep,
 bench.py and the GPU tests launch (Triton's on-disk cache is shared), so a lease is not spent on
@@ -22,22 +22,21 @@ import torch
 from kernels.gdn_verify.bench import DTYPES, H, HV, K, V, case_ours, copy_bandwidth, inputs, load_baseline, time_graph
 from kernels.gdn_verify.triton import _default_config
 
-# Candidates (BV, warps, VEC, PF, RG, FOLD, KCVT), bisecting the fp32 B=1/4 regression against
-# da5db45 (timed in the same rows, "before"): KCVT 1/0 (replayed k converted at its load / at its
-# use) and PF/RG 4/8 vs 2/4 (the prefetch-queue rewrite; at PF=2 it is da5db45's SASS) on both
-# default tilings ([8 K-lanes x 4 V-lanes]: (8,1,2) below batch 8, (16,1,4) from 8), and the
-# previous kernel's tiling [16 x 2] (8,1,4) with its arithmetic (FOLD=0) and with FOLD=1.  The
-# third suspect (VEC cap on the v loads/stores) compiles to identical SASS: not timed.  The
-# default is timed again at the end of its row (same-row noise).
+# Candidates (BV, warps, VEC, PF, RG, FOLD, KCVT) for the rank-1 replay (u logged): only the
+# [8 K-lanes x 4 V-lanes] family ((8, 1, 2) and (16, 1, 4): the defaults' rounding at every batch),
+# prefetch depth / replay group size (RG=8: one group for the whole replay; fp32 (8,1,2,*,8)
+# compiles to 128 registers vs 163 at RG=4) and the k conversion point.  The default is timed
+# again at the end of its row (same-row noise).
 CFGS = {
-    name: [(8, 1, 2, 4, 8, 1, 1), (8, 1, 2, 4, 8, 1, 0), (8, 1, 2, 2, 4, 1, 1), (8, 1, 2, 2, 4, 1, 0),
-           (16, 1, 4, 4, 8, 1, 1), (16, 1, 4, 4, 8, 1, 0), (16, 1, 4, 2, 4, 1, 0),
-           (8, 1, 4, 2, 4, 0, 1), (8, 1, 4, 2, 4, 0, 0), (8, 1, 4, 2, 4, 1, 0)]
+    name: [(8, 1, 2, 2, 4, 1, 0), (8, 1, 2, 2, 8, 1, 0), (8, 1, 2, 4, 8, 1, 0), (8, 1, 2, 4, 8, 1, 1),
+           (8, 1, 2, 2, 8, 1, 1), (16, 1, 4, 4, 8, 1, 0), (16, 1, 4, 4, 8, 1, 1), (16, 1, 4, 2, 8, 1, 0),
+           (16, 1, 4, 2, 4, 1, 0)]
     for name in ("fp32", "bf16")
 }
 # The GPU tests' extra configs (tests/kernels/test_gdn_verify.py GPU_CONFIGS).
 TEST_CFGS = [(8, 1, 4, 2, 4, 0), (8, 1, 2, 4, 8, 1), (16, 1, 4, 4, 8, 1), (8, 1, 2, 4, 8, 1, 0),
-             (16, 1, 4, 4, 8, 1, 0), (8, 1, 2, 2, 4, 1, 0), (8, 1, 4, 2, 4, 0, 0)]
+             (16, 1, 4, 4, 8, 1, 0), (8, 1, 2, 2, 4, 1, 0), (8, 1, 4, 2, 4, 0, 0), (8, 1, 2, 2, 8, 1, 0),
+             (16, 1, 4, 2, 8, 1, 0)]
 
 
 def _compile(job: tuple) -> str:
@@ -49,7 +48,8 @@ def _compile(job: tuple) -> str:
     from kernels.gdn_verify import gdn_log_empty
     from kernels.gdn_verify.triton import gdn_verify_fwd
 
-    mode, sd_name, cfg, out_dtype, vk = job
+    mode, sd_name, cfg, out_dtype, vk, *rest = job
+    log_dtype = DTYPES[rest[0]] if rest else torch.bfloat16
     sd, T = DTYPES[sd_name], 8
     if mode == "old":  # the bench's before column: cfg is the batch size there
         from pathlib import Path
@@ -64,7 +64,7 @@ def _compile(job: tuple) -> str:
     state = torch.zeros(shape, device="cuda").to(sd)
     one = torch.ones(1, dtype=torch.int32, device="cuda")
     out = torch.empty(1, T, HV, V, dtype=out_dtype, device="cuda")
-    log = gdn_log_empty(2, T, H, K, HV, V, torch.bfloat16, "cuda")
+    log = gdn_log_empty(2, T, H, K, HV, V, log_dtype, "cuda")
     par = torch.zeros(1, dtype=torch.int32, device="cuda")
     if mode == "lazy":
         gdn_verify_fwd(**x, state=state, init_idx=one, num_k_heads=H, log=log, log_parity=par,
@@ -77,10 +77,12 @@ def _compile(job: tuple) -> str:
         gdn_verify_fwd(**x, state=state, init_idx=one, num_k_heads=H, tok_idx=tok,
                        out=out if out_dtype != torch.bfloat16 else None, config=cfg, state_vk=vk)
     torch.cuda.synchronize()
-    return f"{mode} {sd_name} {cfg} {out_dtype} vk={vk}"
+    return f"{mode} {sd_name} {cfg} {out_dtype} vk={vk} log={log_dtype}"
 
 
-def precompile_jobs() -> list[tuple]:
+def precompile_jobs(gdn_only: bool = False) -> list[tuple]:
+    """Variants launched by bench.py, this sweep and the GPU tests (and, unless ``gdn_only``,
+    lookup_scan's bench)."""
     bf, f32 = torch.bfloat16, torch.float32
     jobs = set()
     for name, sd in DTYPES.items():
@@ -95,9 +97,13 @@ def precompile_jobs() -> list[tuple]:
         if Path(".baseline/gdn_verify_triton.py").exists():
             for B in (1, 8):
                 jobs.add(("old", name, B, bf, False))
-    from kernels.lookup_scan.bench import precompile_jobs as lookup_jobs
+    for mode in ("lazy", "eager", "commit"):  # test_real_shapes_log_variants_gpu
+        jobs.add((mode, "bf16", _default_config(3, torch.bfloat16, True), f32, True))
+        jobs.add((mode, "fp32", _default_config(3, f32), f32, False, "fp32"))
+    if not gdn_only:
+        from kernels.lookup_scan.bench import precompile_jobs as lookup_jobs
 
-    jobs.update(lookup_jobs())
+        jobs.update(lookup_jobs())
     for name in ("fp32", "bf16"):
         for cfg in TEST_CFGS:
             for mode in ("lazy", "eager", "commit"):
@@ -105,8 +111,8 @@ def precompile_jobs() -> list[tuple]:
     return sorted(jobs, key=str)
 
 
-def precompile(workers: int) -> None:
-    jobs = precompile_jobs()
+def precompile(workers: int, gdn_only: bool = False) -> None:
+    jobs = precompile_jobs(gdn_only)
     t0 = time.perf_counter()
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
         for done in ex.map(_compile, jobs):
@@ -122,16 +128,17 @@ def main() -> None:
     ap.add_argument("--T", type=int, default=8)
     ap.add_argument("--precompile", action="store_true")
     ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--gdn-only", action="store_true", help="precompile without lookup_scan's variants")
     args = ap.parse_args()
     if args.precompile:
-        precompile(args.workers)
+        precompile(args.workers, args.gdn_only)
         return
     T = args.T
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"copy bandwidth (read+write) {bw / 1e12:.2f} TB/s", flush=True)
     print("sweep: ours lazy r=T, µs per layer (CUDA graph, cold L2); config BV/warps/VEC/PF/RG/FOLD/KCVT; "
-          "before = da5db45's kernel (.baseline), same row", flush=True)
+          "before = the .baseline kernel, same row", flush=True)
     old_fn = load_baseline(Path(".baseline"))
     for B in (int(b) for b in args.batches.split(",")):
         for name, cfgs in CFGS.items():
