@@ -101,14 +101,14 @@ def vllm_runner(mod, tok: torch.Tensor, lens: torch.Tensor, min_n: int, max_n: i
 SIZES = (8192, 32768, 100_000, 262_144)
 SWEEP_CASES = [(100_000, 1, (6, 12), "quote"), (100_000, 1, (6, 12), "lowent"), (262_144, 8, (5, 5), "quote"),
                (262_144, 8, (5, 5), "lowent"), (262_144, 8, (6, 12), "quote"), (262_144, 8, (6, 12), "lowent")]
-# (NV, G, warps, programs-per-launch cap, FENCE), kernels/lookup_scan/triton.py: tile = 32 * warps *
-# G rows of 4 * NV tokens.  The two defaults first; fence off; smaller tiles (more programs, fewer
-# positions each) and one-warp programs (no block barrier in the reductions); larger tiles (fewer,
-# fatter programs: fewer atomics, more loads in flight per thread); G = 4 (coalesced rows, halo per
-# row) vs NV = 4 (16 contiguous tokens per thread, one halo).
-SWEEP = [CONFIG_SMALL, CONFIG_LARGE, (1, 1, 4, 2048, 0), (4, 1, 4, 1024, 0),
-         (1, 1, 2, 4096, 1), (1, 1, 1, 8192, 1), (2, 1, 1, 4096, 1), (4, 1, 1, 4096, 1),
-         (2, 1, 4, 2048, 1), (1, 4, 4, 1024, 1), (8, 1, 4, 512, 1), (8, 1, 2, 1024, 1), (4, 1, 8, 512, 1)]
+# (NV, G, warps, programs-per-launch cap, FENCE, ORDER), kernels/lookup_scan/triton.py: tile = 32 *
+# warps * G rows of 4 * NV tokens.  The two defaults first; fence off; the best of the 3236c0e sweep
+# at 100K B1 (one-warp programs, NOTES.md) and its neighbours; ORDER=1 (tile issued before the
+# length's load, behind a barrier) on each of those.
+SWEEP = [CONFIG_SMALL, CONFIG_LARGE, (1, 1, 4, 2048, 0, 0), (4, 1, 4, 1024, 0, 0),
+         (2, 1, 1, 4096, 1, 0), (4, 1, 1, 4096, 1, 0), (2, 1, 4, 2048, 1, 0),
+         (1, 1, 4, 2048, 1, 1), (4, 1, 4, 1024, 1, 1), (2, 1, 1, 4096, 1, 1), (4, 1, 1, 4096, 1, 1),
+         (2, 1, 4, 2048, 1, 1), (4, 1, 4, 1024, 0, 1)]
 
 
 def _run_variant(tok, lens, mn, mx, var, out=None):
@@ -172,7 +172,7 @@ def _fmt(var) -> str:
 
 
 def sweep(mod, old_fwd) -> None:
-    print("sweep: µs per call (same harness); variant NV/G/warps/cap/fence; '!' = proposal differs from the serial "
+    print("sweep: µs per call (same harness); variant NV/G/warps/cap/fence/order; '!' = proposal differs from the serial "
           "reference; ratios vs vLLM of the best variant and of the first (default small) / second (default large)",
           flush=True)
     for S, B, (mn, mx), kind in SWEEP_CASES:

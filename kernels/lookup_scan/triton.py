@@ -30,18 +30,18 @@ import triton.language as tl
 # Packed score: m << POS_BITS | e + 1, m <= 31, so histories must be shorter than 2**POS_BITS.
 POS_BITS = 26
 # Default configs by work size (bench.py --sweep, NOTES.md): (NV vectors of 4 tokens per row, G rows
-# per thread, warps, programs-per-launch cap, FENCE).  A tile is block_tokens(config) tokens; the
+# per thread, warps, programs-per-launch cap, FENCE, ORDER).  A tile is block_tokens(config) tokens; the
 # first tile of every program is read before the length is known, so cap * tile tokens bound what
 # a launch reads of a buffer whose rows are mostly empty.
-CONFIG_SMALL = (1, 1, 4, 2048, 1)  # B * S <= 256K: 512-token tiles, latency first
-CONFIG_LARGE = (4, 1, 4, 1024, 1)  # 2048-token tiles, 16 contiguous tokens per thread
+CONFIG_SMALL = (1, 1, 4, 2048, 1, 0)  # B * S <= 256K: 512-token tiles, latency first
+CONFIG_LARGE = (4, 1, 4, 1024, 1, 0)  # 2048-token tiles, 16 contiguous tokens per thread
 SMALL_WORK = 1 << 18
 
 
-Config = tuple[int, int, int, int, int]
+Config = tuple[int, int, int, int, int, int]
 
 
-def block_tokens(config: Config) -> int:
+def block_tokens(config: tuple[int, ...]) -> int:
     """Tokens per tile: ROWS = 32 * warps * G rows of 4 * NV tokens."""
     nv, g, nw = config[:3]
     return 4 * nv * g * 32 * nw
@@ -129,7 +129,7 @@ def lookup_scan_kernel(
     S, P, B,
     MIN_N: tl.constexpr, MAX_N: tl.constexpr, K_DRAFT: tl.constexpr, KP: tl.constexpr,
     ROWS: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr, HAS_REQ_IDX: tl.constexpr,
-    POS_BITS: tl.constexpr, FENCE: tl.constexpr,
+    POS_BITS: tl.constexpr, FENCE: tl.constexpr, ORDER: tl.constexpr,
 ):
     BLOCK: tl.constexpr = ROWS * 4 * NV
     i_p, i_b = tl.program_id(0), tl.program_id(1)
@@ -137,6 +137,11 @@ def lookup_scan_kernel(
     p_h = tokens + row * s_tok
     # The first tile (halo included) is loaded before the length is known: one DRAM trip for both.
     cols = _load_tile(p_h, i_p * BLOCK, S, ROWS, NV, HV)
+    if ORDER:
+        # ptxas otherwise issues the suffix loads (which wait for seq_lens) ahead of the tile's, so
+        # the tile's DRAM trip starts only once the length has arrived.  No memory op crosses a
+        # barrier and it does not wait for loads: the tile is in flight before the length is asked.
+        tl.debug_barrier()
     L = tl.load(seq_lens + row).to(tl.int32)
     n_tiles = tl.cdiv(L - 1, BLOCK)
     # Programs with no end position to scan take no ticket: the finisher counts n_act tickets.
@@ -149,7 +154,8 @@ def lookup_scan_kernel(
     best = _tile_best(cols, s, i_p * BLOCK, L, i_p < n_act, ROWS, NV, HV, MIN_N, MAX_N, POS_BITS)
     for t in range(i_p + P, n_tiles, P):  # only past the program cap (never for idle programs)
         cols_t = _load_tile(p_h, t * BLOCK, S, ROWS, NV, HV)
-        best = tl.maximum(best, _tile_best(cols_t, s, t * BLOCK, L, True, ROWS, NV, HV, MIN_N, MAX_N, POS_BITS))
+        best = tl.maximum(best, _tile_best(cols_t, s, t * BLOCK, L, True, ROWS, NV, HV, MIN_N, MAX_N,
+                                           POS_BITS))
     if i_p < n_act:
         if FENCE:
             if best > 0:  # most programs of a quoting history find nothing: spare the contended word
@@ -191,8 +197,8 @@ def lookup_scan_fwd(
     config: Config | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher; see kernels.lookup_scan.lookup_scan for the contract.  ``config`` = (NV, G,
-    warps, programs-per-launch cap, FENCE) picks the tile and the fold (bench.py --sweep); default
-    by B * S (default_config)."""
+    warps, programs-per-launch cap, FENCE, ORDER) picks the tile, the fold and the load order
+    (bench.py --sweep); default by B * S (default_config)."""
     if not 1 <= min_n <= max_n or max_n > 31 or num_draft < 1:
         raise ValueError(f"need 1 <= min_n <= max_n <= 31 and num_draft >= 1, got {min_n}, {max_n}, {num_draft}")
     if token_ids.stride(-1) != 1 or token_ids.dtype not in (torch.int32, torch.int64):
@@ -210,14 +216,14 @@ def lookup_scan_fwd(
         torch.empty(B, dtype=torch.int32, device=dev),
     )
     S = token_ids.shape[1]
-    nv, g, nw, cap, fence = config or default_config(B, S)
-    block = block_tokens((nv, g, nw, cap, fence))
+    nv, g, nw, cap, fence, order = config or default_config(B, S)
+    block = block_tokens((nv, g, nw))
     P = programs_per_request or max(1, min(triton.cdiv(S, block), max(8, cap // max(B, 1))))
     lookup_scan_kernel[(P, B)](
         token_ids, token_ids.stride(0), req_indices if req_indices is not None else seq_lens, seq_lens,
         drafts, num_valid, workspace.view(torch.int32), S, P, B,
         MIN_N=min_n, MAX_N=max_n, K_DRAFT=num_draft, KP=triton.next_power_of_2(num_draft),
         ROWS=32 * nw * g, NV=nv, HV=triton.cdiv(max_n - 1, 4), HAS_REQ_IDX=req_indices is not None,
-        POS_BITS=POS_BITS, FENCE=bool(fence), num_warps=nw,
+        POS_BITS=POS_BITS, FENCE=bool(fence), ORDER=bool(order), num_warps=nw,
     )
     return drafts, num_valid
