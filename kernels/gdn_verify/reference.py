@@ -23,6 +23,8 @@ Two ways to make a verify step resumable from any accepted token:
   same rounding point as the eager store), and then runs its own tokens.
 
 Both give bit-identical states because they execute the same fp32 operations in the same order.
+(The Triton kernel logs each token's delta vector u and decay instead of v, a, b -- log_layout.py
+-- so its replay skips recomputing them; same math, bit-identical to its own eager path.)
 """
 
 from __future__ import annotations

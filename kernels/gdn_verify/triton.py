@@ -45,7 +45,7 @@ def _default_config(batch: int, state_dtype: torch.dtype, state_vk: bool = False
     one of three edits suspected of the fp32 B=1/4 regression against da5db45 (bisected by the
     sweep; it changes no result bit): KCVT=1 converts a replayed k to fp32 right at its load, so
     its layout change (a shared-memory round trip with a barrier) waits for that load before the
-    token's v/a/b loads issue; KCVT=0 converts it at its first use, after the gates, as da5db45
+    token's u/decay loads issue; KCVT=0 converts it at its first use, as da5db45
     did.  The other two suspects need no switch; compiled with triton 3.6 for sm_90 they give
     the same SASS either way: the VEC cap also on the v loads and output/log stores (fp32 and bf16
     states, BV 8 and 16), and the PF-deep prefetch queue at PF=2 vs da5db45's two-deep one (so
