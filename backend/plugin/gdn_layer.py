@@ -40,7 +40,7 @@ from backend.plugin.gdn_lazy import LazyGdnState, TorchGdnKernels, pad_rows, spe
 
 log = logging.getLogger("hyperharness.plugin.gdn")
 
-__all__ = ["LazyQwenGDN", "register_layer"]
+__all__ = ["LazyQwenGDN", "align_copies_patched", "register_layer"]
 
 _REGISTERED = False
 
@@ -55,6 +55,13 @@ def _kernels():
     return triton_kernels
 
 
+def align_copies_patched() -> bool:
+    """Whether patch 0003 (align-mode temporal copies through the layer's hook) is applied."""
+    from vllm.v1.worker import mamba_utils
+
+    return getattr(mamba_utils, "ALIGN_TEMPORAL_COPY_HOOK", None) == "mamba_align_temporal_copy"
+
+
 def _is_pure_spec(md: GDNAttentionMetadata) -> bool:
     return md.spec_sequence_masks is not None and md.num_prefills == 0 and md.num_decodes == 0
 
@@ -65,13 +72,15 @@ class LazyQwenGDN(QwenGatedDeltaNetAttention):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         cache_config = self.cache_config
-        if self.speculative_config is not None and cache_config.mamba_cache_mode == "align":
+        if (self.speculative_config is not None and cache_config.mamba_cache_mode == "align"
+                and not align_copies_patched()):
             # vLLM's align-mode copies (v1/worker/mamba_utils.py) read column num_accepted - 1 of a
-            # verify window as a materialised state; under lazy commit it is not there.
+            # verify window as a materialised state; under lazy commit it is not there.  Patch 0003
+            # hands the temporal copies to `mamba_align_temporal_copy` below.
             raise NotImplementedError(
-                "HYPERHARNESS_GDN_LAZY=1 with a speculator and --mamba-cache-mode align: the "
-                "align-mode state copies are not wired to the lazy commit yet (see "
-                "backend/plugin/gdn_layer.py); use mamba_cache_mode none or unset HYPERHARNESS_GDN_LAZY"
+                "HYPERHARNESS_GDN_LAZY=1 with a speculator and --mamba-cache-mode align needs patch "
+                "0003-worker-gdn-lazy-align-copies (`hyperharness patches apply --ensure`); or use "
+                "mamba_cache_mode none or unset HYPERHARNESS_GDN_LAZY"
             )
         # The fused CUDA spec kernel stores every token's state; route spec steps through
         # `_forward_core` instead, where the lazy path lives.
@@ -80,6 +89,7 @@ class LazyQwenGDN(QwenGatedDeltaNetAttention):
         self.hh_state: LazyGdnState | None = None
         self.hh_lazy_steps = 0
         self.hh_upstream_steps = 0
+        self.hh_align_copies = 0  # requests whose temporal align copy went through the hook
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -125,6 +135,21 @@ class LazyQwenGDN(QwenGatedDeltaNetAttention):
             return None
         md = md.get(self.prefix)
         return md if isinstance(md, GDNAttentionMetadata) else None
+
+    def mamba_align_temporal_copy(self, base_blocks: torch.Tensor, src_blocks: torch.Tensor,
+                                  dst_blocks: torch.Tensor, token_bias: torch.Tensor) -> None:
+        """Patch 0003's hook (v1/worker/mamba_utils.py): vLLM's fused align copies leave this
+        layer's temporal state out (zero-size entries) and call this with their decisions; the
+        conv state keeps vLLM's copy.  All [k] int64 block ids / biases, one per request."""
+        pool, _ = self._hh_pool()
+        self.hh_align_copies += int(base_blocks.numel())
+        if self.hh_state is None or not self.hh_state.matches(pool):
+            # No lazy step on this pool: every state is materialised, copy as vLLM would.
+            rows = (src_blocks != dst_blocks).nonzero().flatten()
+            if rows.numel():
+                pool.index_copy_(0, dst_blocks[rows], pool.index_select(0, src_blocks[rows]))
+            return
+        self.hh_state.align_copy(base_blocks, src_blocks, dst_blocks, token_bias, self.A_log, self.dt_bias)
 
     # -- the two routes -----------------------------------------------------------------------------
 

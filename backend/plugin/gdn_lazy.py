@@ -254,6 +254,35 @@ class LazyGdnState:
         _copy_rows(self.pool, target.long(), col0.long(), lazy & (acc > 1))
         self.lazy[flags] = False
 
+    def align_copy(self, base: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                   token_bias: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
+        """vLLM's align-mode temporal copies of k requests under lazy commit (patch 0003's hook).
+
+        ``pool[dst] :=`` the state vLLM's eager form holds in ``src``: column ``token_bias`` of
+        the verify window whose column 0 is ``base``.  A lazy row only has its base there, so
+        that state is folded from the base and the first ``token_bias + 1`` logged tokens; a row
+        in vLLM form (after a prefill, an upstream step or a commit) is a plain copy.
+        ``dst == base`` materialises in place: the row leaves the lazy form (vLLM then resets
+        its num_accepted to 1).  Otherwise the base and its log stay as they were (the row may
+        still be mid-window: a postprocess copy of a block-boundary state), at the cost of one
+        saved state per row; align copies happen once per request and scheduler block.
+        ``dst`` always ends up a plain state (it may be handed to another request by the prefix
+        cache).  base, src, dst, token_bias: [k] int64 (one entry per request).
+        """
+        if base.numel() == 0:
+            return
+        flags = self._flag_index(base)
+        lazy = self.lazy[flags] & (base >= 0)
+        _copy_rows(self.pool, dst.long(), src.long(), ~lazy & (src != dst))
+        keep = (lazy & (dst != base)).nonzero().flatten()
+        saved = self.pool.index_select(0, base[keep].long())
+        self._commit_in_place(base, token_bias.to(torch.int64) + 1, lazy, A_log, dt_bias)
+        if keep.numel():
+            self.pool.index_copy_(0, dst[keep].long(), self.pool.index_select(0, base[keep].long()))
+            self.pool.index_copy_(0, base[keep].long(), saved)
+        self.lazy[self._flag_index(dst)] = False
+        self.lazy[-1] = False
+
     def forget(self, slots: torch.Tensor) -> None:
         """Slots about to be (re)written as plain states (prefill, plain decode): no pending log."""
         if slots.numel():
