@@ -3,9 +3,11 @@
     python -m kernels.lookup_scan.bench [--sweep] [--vllm-ref .vllm_ref] [--baseline .baseline]
     python -m kernels.lookup_scan.bench --precompile [--workers 16]
 
-``--sweep`` first times the tile/fold configs (SWEEP) side by side on the goal cases, with the
-before and vLLM kernels in the same rows; ``--precompile`` compiles every launch this bench and the
-GPU tests make in parallel processes (Triton's on-disk cache is shared), then exits.
+``--sweep`` first times the candidate tile configs (SWEEP) on every row of the table (--sizes x B
+1/8 x n 5-5/6-12 x quote/vocab 8) with the before and vLLM kernels in the same rows: a first pass
+over all rows, then second passes (configs in reverse order) until ``--until`` (epoch seconds);
+``--sweep-only`` skips the table.  ``--precompile`` compiles every launch this bench and the GPU
+tests make in parallel processes (Triton's on-disk cache is shared), then exits.
 
 Providers: ours (one launch); before (the same launch through an earlier copy of
 kernels/lookup_scan/triton.py in the ``--baseline`` folder, ignored by git); vLLM 0.32.0's V2 n-gram speculator kernels (_ngram_scan_kernel +
@@ -28,7 +30,6 @@ import torch
 import triton
 
 from kernels.lookup_scan import lookup_scan, naive_lookup_scan
-from kernels.lookup_scan.triton import CONFIG_LARGE, CONFIG_SMALL
 from kernels.timing import time_graph
 
 K_DRAFT = 7
@@ -99,16 +100,22 @@ def vllm_runner(mod, tok: torch.Tensor, lens: torch.Tensor, min_n: int, max_n: i
 
 
 SIZES = (8192, 32768, 100_000, 262_144)
-SWEEP_CASES = [(100_000, 1, (6, 12), "quote"), (100_000, 1, (6, 12), "lowent"), (262_144, 8, (5, 5), "quote"),
-               (262_144, 8, (5, 5), "lowent"), (262_144, 8, (6, 12), "quote"), (262_144, 8, (6, 12), "lowent")]
+TEST_S = 50_001  # tests/kernels/test_lookup_scan.py::test_candidate_configs_gpu (odd capacity)
 # (NV, G, warps, programs-per-launch cap, FENCE, ORDER), kernels/lookup_scan/triton.py: tile = 32 *
-# warps * G rows of 4 * NV tokens.  The two defaults first; fence off; the best of the 3236c0e sweep
-# at 100K B1 (one-warp programs, NOTES.md) and its neighbours; ORDER=1 (tile issued before the
-# length's load, behind a barrier) on each of those.
-SWEEP = [CONFIG_SMALL, CONFIG_LARGE, (1, 1, 4, 2048, 0, 0), (4, 1, 4, 1024, 0, 0),
-         (2, 1, 1, 4096, 1, 0), (4, 1, 1, 4096, 1, 0), (2, 1, 4, 2048, 1, 0),
-         (1, 1, 4, 2048, 1, 1), (4, 1, 4, 1024, 1, 1), (2, 1, 1, 4096, 1, 1), (4, 1, 1, 4096, 1, 1),
-         (2, 1, 4, 2048, 1, 1), (4, 1, 4, 1024, 0, 1)]
+# warps * G rows of 4 * NV tokens.  Candidates for the per-(B, S) rule, each with ORDER 0 and 1
+# (tile issued before the length's load, behind a barrier): the two 3236c0e defaults (512- and
+# 2048-token tiles, 4 warps), one-warp programs of 256 / 128 / 512 tokens (the best at 100K B1 in
+# the 3236c0e sweep) and 1024-token tiles of 4 warps.  FENCE=0 is outside the memory model: not a
+# candidate.
+_BASES = [(1, 1, 4, 2048, 1), (4, 1, 4, 1024, 1), (2, 1, 1, 4096, 1), (1, 1, 1, 8192, 1), (4, 1, 1, 4096, 1),
+          (2, 1, 4, 2048, 1)]
+SWEEP = [(*b, order) for b in _BASES for order in (0, 1)]
+
+
+def cases(sizes) -> list[tuple[int, int, int, int, str]]:
+    """Bench rows in table order: (S, B, min_n, max_n, data kind)."""
+    return [(S, B, mn, mx, kind) for S in sizes for B in (1, 8) for mn, mx in ((5, 5), (6, 12))
+            for kind in ("quote", "lowent")]
 
 
 def _run_variant(tok, lens, mn, mx, var, out=None):
@@ -121,16 +128,16 @@ def _run_variant(tok, lens, mn, mx, var, out=None):
 def precompile_jobs() -> list[tuple]:
     """One job per launch configuration this bench and the GPU tests make (ours, before, vLLM)."""
     jobs = set()
-    for S, B, (mn, mx), _ in SWEEP_CASES:
-        for var in SWEEP:
-            jobs.add(("lookup", "sweep", S, B, mn, mx, var))
-        jobs.add(("lookup", "old", S, B, mn, mx, None))
-        jobs.add(("lookup", "vllm", S, B, mn, mx, None))
     for S in SIZES:
         for B in (1, 8):
             for mn, mx in ((5, 5), (6, 12)):
+                for var in SWEEP:
+                    jobs.add(("lookup", "sweep", S, B, mn, mx, var))
                 for who in ("ours", "old", "vllm"):
                     jobs.add(("lookup", who, S, B, mn, mx, None))
+    for mn, mx in ((5, 5), (6, 12)):
+        for var in SWEEP:
+            jobs.add(("lookup", "sweep", TEST_S, 8, mn, mx, var))
     return sorted(jobs, key=str)
 
 
@@ -171,44 +178,59 @@ def _fmt(var) -> str:
     return "/".join(str(x) for x in var)
 
 
-def sweep(mod, old_fwd) -> None:
-    print("sweep: µs per call (same harness); variant NV/G/warps/cap/fence/order; '!' = proposal differs from the serial "
-          "reference; ratios vs vLLM of the best variant and of the first (default small) / second (default large)",
-          flush=True)
-    for S, B, (mn, mx), kind in SWEEP_CASES:
-        tok_c = histories(kind, B, S, S + B)
-        lens_c = torch.full((B,), S, dtype=torch.int32)
-        d_ref, n_ref = naive_lookup_scan(tok_c, lens_c, mn, mx, K_DRAFT)
-        tok, lens = tok_c.cuda(), lens_c.cuda()
-        res, times = [], []
-        for var in [*SWEEP, SWEEP[0], SWEEP[1]]:  # the defaults again at the end: same-row noise
-            out = (torch.full((B, K_DRAFT), -7, dtype=torch.int64, device="cuda"),
-                   torch.full((B,), -7, dtype=torch.int32, device="cuda"))
-            t = time_graph(_run_variant(tok, lens, mn, mx, var, out))
-            ok = torch.equal(out[0].cpu(), d_ref) and torch.equal(out[1].cpu(), n_ref)
-            res.append(f"{_fmt(var)} {t:.2f}{'' if ok else '!'}")
-            times.append(t if ok else float("inf"))
-        t_b = t_v = float("nan")
-        if old_fwd is not None:
-            ws_b = torch.zeros(2 * B, dtype=torch.int64, device="cuda")
-            t_b = time_graph(lambda: old_fwd(tok, lens, mn, mx, K_DRAFT, None, ws_b, None))  # noqa: B023
-        if mod is not None:
-            fn, d_v = vllm_runner(mod, tok, lens, mn, mx)
-            t_v = time_graph(fn)
-            if not torch.equal(d_v.cpu(), d_ref):
-                print("  vLLM proposal differs from the reference!")
-        i_best = min(range(len(SWEEP)), key=lambda i: times[i])
-        print(f"sweep S={S} B={B} n{mn}-{mx} {kind}: before {t_b:.2f}  vllm {t_v:.2f} | " + "  ".join(res)
-              + f" | best {_fmt(SWEEP[i_best])} {times[i_best]:.2f} = {t_v / times[i_best]:.2f}x vllm, "
-              f"{t_b / times[i_best]:.2f}x before; first {t_v / times[0]:.2f}x, second {t_v / times[1]:.2f}x vllm",
-              flush=True)
+def _sweep_row(mod, old_fwd, case, variants, tag: str) -> None:
+    S, B, mn, mx, kind = case
+    tok_c = histories(kind, B, S, S + B)
+    lens_c = torch.full((B,), S, dtype=torch.int32)
+    d_ref, n_ref = naive_lookup_scan(tok_c, lens_c, mn, mx, K_DRAFT)
+    tok, lens = tok_c.cuda(), lens_c.cuda()
+    res = []
+    for var in variants:
+        out = (torch.full((B, K_DRAFT), -7, dtype=torch.int64, device="cuda"),
+               torch.full((B,), -7, dtype=torch.int32, device="cuda"))
+        t = time_graph(_run_variant(tok, lens, mn, mx, var, out))
+        ok = torch.equal(out[0].cpu(), d_ref) and torch.equal(out[1].cpu(), n_ref)
+        res.append(f"{_fmt(var)} {t:.2f}{'' if ok else '!'}")
+    t_b = t_v = float("nan")
+    if old_fwd is not None:
+        ws_b = torch.zeros(2 * B, dtype=torch.int64, device="cuda")
+        out_b = (torch.full((B, K_DRAFT), -7, dtype=torch.int64, device="cuda"),
+                 torch.full((B,), -7, dtype=torch.int32, device="cuda"))
+        t_b = time_graph(lambda: old_fwd(tok, lens, mn, mx, K_DRAFT, None, ws_b, out_b))
+        if not torch.equal(out_b[0].cpu(), d_ref):
+            res.append("before!")
+    if mod is not None:
+        fn, d_v = vllm_runner(mod, tok, lens, mn, mx)
+        t_v = time_graph(fn)
+        if not torch.equal(d_v.cpu(), d_ref):
+            res.append("vllm!")
+    print(f"sweep {tag} S={S} B={B} n{mn}-{mx} {kind}: before {t_b:.2f}  vllm {t_v:.2f} | " + "  ".join(res)
+          + f" | matched {int((n_ref > 0).sum())}/{B}", flush=True)
+
+
+def sweep(mod, old_fwd, sizes, until: float) -> None:
+    """Pass 1: every config on every row; then pass 2 (reverse config order: each config's two
+    timings sit at different places in the row) on the rows in order while time is left."""
+    print("sweep: µs per call (same harness); variant NV/G/warps/cap/fence/order; '!' = proposal differs from the "
+          "serial reference", flush=True)
+    rows = cases(sizes)
+    for case in rows:
+        _sweep_row(mod, old_fwd, case, SWEEP, "p1")
+    for case in rows:
+        t0 = time.time()
+        if until and t0 + 8.0 > until:
+            print(f"sweep p2 stopped before S={case[0]} B={case[1]} n{case[2]}-{case[3]} {case[4]} (--until)")
+            return
+        _sweep_row(mod, old_fwd, case, SWEEP[::-1], "p2")
 
 
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    ap.add_argument("--sweep", action="store_true", help="time the SWEEP configs of ours on SWEEP_CASES first")
+    ap.add_argument("--sweep", action="store_true", help="time the SWEEP configs of ours on every row first")
+    ap.add_argument("--sweep-only", action="store_true", help="with --sweep: skip the table")
+    ap.add_argument("--until", type=float, default=0.0, help="epoch seconds: no second sweep pass past it")
     ap.add_argument("--precompile", action="store_true", help="compile every launch in parallel, then exit")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--vllm-ref", type=Path, default=Path(".vllm_ref"))
@@ -226,7 +248,9 @@ def main() -> None:
     if old_fwd is None:
         print("baseline kernel copy not found: before column skipped")
     if args.sweep:
-        sweep(mod, old_fwd)
+        sweep(mod, old_fwd, sizes, args.until)
+        if args.sweep_only:
+            return
     dummy = torch.zeros(1, device="cuda")
     print(f"launch floor in this harness (one empty Triton kernel): {time_graph(lambda: _empty_kernel[(1,)](dummy)):.2f} µs")
     print(f"\nlookup scan, k={K_DRAFT}; µs per call (CUDA graph, cold L2: memset-flushed, flush time subtracted); ref = serial torch on CPU, ms")

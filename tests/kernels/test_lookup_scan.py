@@ -139,3 +139,24 @@ def test_real_lengths_gpu(S, min_n, max_n):
     ws = torch.zeros(16, dtype=torch.int64, device=DEVICE)
     for _ in range(2):
         check(tok, lens, min_n, max_n, 7, workspace=ws)
+
+
+@pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
+@pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
+def test_candidate_configs_gpu(min_n, max_n):
+    """Every config the per-(B, S) rule may pick (bench.SWEEP), at an odd capacity with mixed
+    lengths: idle programs, edge tiles, loops past the cap for the big tiles' neighbours."""
+    from kernels.lookup_scan.bench import SWEEP, TEST_S
+    from kernels.lookup_scan.triton import lookup_scan_fwd
+
+    S = TEST_S
+    tok = torch.cat([repetitive(4, S, 150_000, seed=S), torch.randint(0, 8, (4, S), dtype=torch.int32)])
+    lens = torch.tensor([S, S - 1, S // 2 + 3, 1000, S, S - 5, 77, S // 3], dtype=torch.int32)
+    dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 7)
+    ws = torch.zeros(16, dtype=torch.int64, device=DEVICE)
+    for config in SWEEP:
+        out = (torch.full((8, 7), -7, dtype=torch.int64, device=DEVICE),
+               torch.full((8,), -7, dtype=torch.int32, device=DEVICE))
+        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, config)
+        assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr), config
+        assert not ws.any()
