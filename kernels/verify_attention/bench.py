@@ -1,7 +1,7 @@
 """Benchmark: split-KV verify attention vs vLLM 0.32.0's unified_attention vs torch SDPA (H200).
 
     python -m kernels.verify_attention.bench [--sweep] [--json PATH] [--quick] [--triton] [--no-vllm]
-        [--no-sdpa] [--no-mma]
+        [--no-sdpa] [--no-mma] [--fixed-cost] [--before-dir DIR]
 
 Measures the device's copy bandwidth first, then times every provider with CUDA-graph replay
 and a cold L2 (a 256 MiB buffer is read before every replay), median of the replays.
@@ -17,6 +17,8 @@ Providers:
   ``.vllm_ref/vllm_ref``: copies of vllm/v1/attention/ops/triton_{unified_attention,
   attention_helpers}.py with their vllm imports shimmed; never committed).
 * ``sdpa``: torch.nn.functional.scaled_dot_product_attention on a dequantized bf16 copy.
+* ``before``: with ``--before-dir``, the previous commit's ``cuda/`` package (its launcher and .cu)
+  loaded as a module of its own; its default path, timed on the same problem.
 GB/s counts the bytes each provider must read once (int8 records incl. scales for ours/vllm,
 bf16 K and V for sdpa, plus q and out); % is of the copy bandwidth measured in the same run.
 The error column is ||out - ref|| / ||ref|| against the fp32 reference (reference.py).

@@ -81,16 +81,16 @@ def default_pdl() -> bool:
 
 
 def default_fuse(n8: int) -> bool:
-    """HH_VERIFY_ATTENTION_FUSE: auto (default), 1 (merge inside the split kernel: last arrivals
-    per unit, two levels) or 0 (a separate combine kernel: the path up to 86a6d8f).
+    """HH_VERIFY_ATTENTION_FUSE: auto (default), 1 (merge inside the split kernel: the last arrivals
+    per unit, two levels; verify_attn_split_wg<..., FUSE = true>) or 0 (the combine kernel).
 
-    auto = fused at one n8 tile of query rows (T=1: a unit's partials are 6 rows x 1 KB per split),
-    the combine kernel above (T=8: 48 rows per split; the fused merge of 1-2 CTAs per unit took
-    far longer than the node boundary it removes: H200, NOTES.md)."""
+    auto = 0 at every size: on the H200 (commit 0deae12, same run as the combine path) the fused
+    merge made 100K b1 T=1 82.1 vs 73.8 µs and T=8 176.8 vs 107.3 µs: one or two CTAs per unit
+    merging read the partials far slower than the combine's whole-GPU grid (NOTES.md)."""
     kind = os.environ.get("HH_VERIFY_ATTENTION_FUSE", "auto").lower()
     if kind not in ("auto", "1", "0"):
         raise ValueError(f"HH_VERIFY_ATTENTION_FUSE={kind!r}: auto, 1 or 0")
-    return n8 == 1 if kind == "auto" else kind == "1"
+    return kind == "1"
 
 
 def merge_group_for(num_splits: int) -> int:
@@ -151,11 +151,15 @@ def precompile(jobs: list[tuple], workers: int = 16) -> int:
         return sum(pool.map(one, list(dict.fromkeys(jobs))))
 
 
-def split_variant(d: int, n8: int, bf16: bool, sched: str, stages: int | None = None) -> tuple[str, int]:
-    """(kernel name, dynamic shared memory) of the wgmma split kernel for these parameters."""
+def split_variant(
+    d: int, n8: int, bf16: bool, sched: str, stages: int | None = None, fuse: bool = False
+) -> tuple[str, int]:
+    """(kernel name, dynamic shared memory) of the wgmma split kernel for these parameters
+    (``fuse``: the variant with the fused merge compiled in)."""
     stages = stages or pick_stages(d, n8, smem_bytes_wg)
     dyn = "true" if sched == "dyn" else "false"
-    name = f"verify_attn_split_wg<{d}, {n8}, {stages}, {'true' if bf16 else 'false'}, {dyn}>"
+    tail = ", true" if fuse else ""
+    name = f"verify_attn_split_wg<{d}, {n8}, {stages}, {'true' if bf16 else 'false'}, {dyn}{tail}>"
     return name, smem_bytes_wg(d, n8, stages)
 
 
@@ -344,13 +348,13 @@ def verify_attention_cuda(
     pdl = default_pdl() if pdl is None else pdl
     gs = 0  # fused merge: splits per first-level group (0: the combine kernel merges)
     if wgmma:
-        split_kernel = _compiled(*split_variant(d, n8, bf16 == "true", sched, stages))
         stages = stages or pick_stages(d, n8, smem_bytes_wg)
         smem = smem_bytes_wg(d, n8, stages)
         fuse = default_fuse(n8) if fuse is None else fuse
         if fuse and combine and num_splits > 1:
             gs = merge_group or merge_group_for(num_splits)
             gs = gs if merge_fits(d, n8, stages, num_splits, gs) else 0
+        split_kernel = _compiled(*split_variant(d, n8, bf16 == "true", sched, stages, fuse=gs > 0))
     else:
         stages = stages or pick_stages(d, mt)
         smem = smem_bytes(d, mt, stages)

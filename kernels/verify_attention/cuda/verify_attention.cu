@@ -859,6 +859,11 @@ namespace va {
 // at the unit's top counter; the last of the NG = ceil(S / GS) group mergers merges the NG group
 // partials into out (NG = 1: the group merger writes out). Critical path: GS + NG partials, not S.
 // Each counter is reset by its last arrival, so the next launch (a CUDA-graph replay) starts at 0.
+// Measured (H200, 0deae12): slower than the combine kernel at every 100K size (T=1 b1 82 vs 74 µs,
+// T=8 b1 177 vs 107): the last CTA of a unit finished 13 µs (T=1) / 80 µs (T=8) after the last
+// main loop; three versions of merge_partials (register loads, cp.async staging, warp-parallel
+// weights) moved this by < 1 µs at T=1, so the time is not in the merge's arithmetic or its
+// load pattern. Opt-in only (HH_VERIFY_ATTENTION_FUSE=1; FUSE = true variant).
 DI float2 ldcg2(const float* p) {
   float2 v;
   asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "l"(p));
@@ -872,10 +877,9 @@ DI float2 ldcg2(const float* p) {
 // cp.async through L2 (they do not depend on the weights, so all are in flight at once) while
 // each warp takes a row's (max, sum) pairs with ld.cg, lane = split, and reduces them with
 // shuffles; then the sums come from shared memory, 8 splits per batch of loads.
-// Why so: two earlier versions (register loads 16 in flight per thread; cp.async staging but one
-// thread per row walking the splits and a serial split loop per element) spent ~12 µs merging at
-// 100K T=1 b1 and ~35 µs with one level of 66 splits: serial shared-memory latency chains, not
-// bytes (H200, NOTES.md). Not inlined: inlined, a merge cost the 48-row kernel spills.
+// (Two earlier versions: register loads 16 in flight per thread; cp.async staging with one thread
+// per row walking the splits. All three timed alike on the H200: NOTES.md.) Not inlined: inlined,
+// a merge cost the 48-row kernel spills (ptxas 13.0).
 template <int D, bool BF16>
 __device__ __noinline__ void merge_partials(float* part_acc, float* part_ml, int num_splits, int s0,
                                             int ss, int n, int dst, int rows, int G, i64 tok0, int h,
@@ -988,7 +992,8 @@ DI bool arrive_last(int* ctr, int count, int* flag, int tid) {
 
 // Template parameters as verify_attn_split's, minus MT (query rows <= 8 N8, padded to 8 N8);
 // DYN: tiles handed out by a per-unit counter (see "Dynamic tiles" below), else static splits.
-template <int D, int N8, int STAGES, bool BF16, bool DYN>
+// FUSE: the fused merge (merge_partials) is compiled in; without it the kernel's code is 86a6d8f's.
+template <int D, int N8, int STAGES, bool BF16, bool DYN, bool FUSE = false>
 __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
     const unsigned short* __restrict__ q,  // [N, Hq, D]
     const signed char* __restrict__ kv,    // the K view's base: record of (block 0, slot 0, head 0)
@@ -1082,14 +1087,35 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
   if (DYN && tid == 0) grab = atomicAdd(ctr, 1);  // index of tile STAGES + 1
 
   // ---- K/V tile loads: as in verify_attn_split (kb0 = the tile's first key, < n_end).
-  const int* const bt_row = block_table + (i64)b * stride_bt;
-  const i64 head_off = (i64)h * stride_kv_head - shift;
   auto lookup = [&](int kb0, int& blk, int& slot) {
-    lookup_key(kb0 + warp * 16 + (lane & 15), n_end, page, bt_row, blk, slot);
+    const int key = kb0 + warp * 16 + (lane & 15);
+    blk = -1, slot = 0;
+    if (key < n_end) {
+      const int lp = key / page;
+      slot = key - lp * page;
+      blk = block_table[(i64)b * stride_bt + lp];
+    }
   };
   auto issue = [&](int tile, int kb0, int blk, int slot) {
-    copy_keys16<D>(kv_s + (tile % STAGES) * (BN * RP) + warp * 16 * RP, kv, blk, slot, head_off,
-                   stride_kv_blk, stride_kv_slot, kb0 + warp * 16, n_end, lane);
+    constexpr int CK = D / 8;
+    constexpr int KPR = 32 / CK;
+    const int kb = kb0 + warp * 16;
+    u64 src = reinterpret_cast<u64>(kv);
+    if (blk >= 0)
+      src += (u64)((i64)blk * stride_kv_blk + (i64)slot * stride_kv_slot + (i64)h * stride_kv_head - shift);
+    const u32 dst = kv_s + (tile % STAGES) * (BN * RP) + warp * 16 * RP;
+    const int kl = lane / CK, ch = lane % CK;
+#pragma unroll
+    for (int r = 0; r < 16 / KPR; ++r) {
+      const int kk = r * KPR + kl;
+      const u64 a = ((u64)shfl_idx((u32)(src >> 32), kk) << 32) | shfl_idx((u32)src, kk);
+      const bool ok = kb + kk < n_end;
+      cp_async16(dst + kk * RP + ch * 16, ok ? a + ch * 16 : a, ok ? 16 : 0);
+    }
+    if (lane < 16) {
+      const bool ok = blk >= 0;
+      cp_async16(dst + lane * RP + CK * 16, ok ? src + CK * 16 : src, ok ? 16 : 0);
+    }
   };
 
   int nblk, nslot;
@@ -1333,10 +1359,57 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
     }
   __syncthreads();
 
-  store_rows<D, N8, R, BF16>(acc, red_s, m_s, rows, G, (i64)q_start + q_lo, h, Hq, split,
-                            num_splits, out, stride_o_tok, stride_o_head, part_acc, part_ml, warp,
-                            g, c);
-  if (merge_group > 0 && num_splits > 1) {  // fused merge (see merge_partials)
+  // The 86a6d8f epilogue as it was, not va::store_rows (which verify_attn_split uses): calling
+  // the helper here changed the 48-row kernel's main loop (ptxas 13.0: a parameter reloaded per
+  // tile, other register moves) and the H200 run of a164f83..0deae12 timed T=8 2-3% slower than
+  // 86a6d8f; inline, this loop's SASS is 86a6d8f's opcode for opcode (NOTES.md).
+#pragma unroll
+  for (int j = 0; j < N8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int row = 8 * j + 2 * c + e;
+      if (row >= rows) continue;
+      float l = 0.f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) l += red_s[w * R + row];
+      const int t = row / G, grp = row - (row / G) * G;
+      const i64 tok = q_start + q_lo + t;
+      const int hq = h * G + grp;
+      if (num_splits == 1) {
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        unsigned short* o = out + tok * stride_o_tok + (i64)hq * stride_o_head + warp * DW + 4 * g;
+#pragma unroll
+        for (int wd = 0; wd < WV; ++wd) {
+          float v[4];
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            const int f = 4 * wd + jj;
+            v[jj] = acc[f % MTD][j][2 * (f / MTD) + e] * inv;
+          }
+          uint2 pk;
+          pk.x = pack_out<BF16>(v[0], v[1]);
+          pk.y = pack_out<BF16>(v[2], v[3]);
+          *reinterpret_cast<uint2*>(o + 32 * wd) = pk;
+        }
+      } else {
+        const i64 pr = (tok * Hq + hq) * num_splits + split;
+        float* pa = part_acc + pr * D + warp * DW + 4 * g;
+#pragma unroll
+        for (int wd = 0; wd < WV; ++wd) {
+          float4 v;
+          v.x = acc[(4 * wd + 0) % MTD][j][2 * ((4 * wd + 0) / MTD) + e];
+          v.y = acc[(4 * wd + 1) % MTD][j][2 * ((4 * wd + 1) / MTD) + e];
+          v.z = acc[(4 * wd + 2) % MTD][j][2 * ((4 * wd + 2) / MTD) + e];
+          v.w = acc[(4 * wd + 3) % MTD][j][2 * ((4 * wd + 3) / MTD) + e];
+          *reinterpret_cast<float4*>(pa + 32 * wd) = v;
+        }
+        if (warp == 0 && g == 0) {
+          part_ml[pr * 2] = m_s[row];
+          part_ml[pr * 2 + 1] = l;
+        }
+      }
+    }
+  if constexpr (FUSE) if (merge_group > 0 && num_splits > 1) {  // fused merge (merge_partials)
     const int ng = (num_splits + merge_group - 1) / merge_group;
     // From blockIdx again (not kept live across the main loop: at 48 rows every register counts).
     const int upr = num_q_tiles * num_kv_heads;  // units per request; blockIdx.x = split * upr + unit
