@@ -29,16 +29,34 @@ import triton.language as tl
 
 # Packed score: m << POS_BITS | e + 1, m <= 31, so histories must be shorter than 2**POS_BITS.
 POS_BITS = 26
-# Default configs by work size (bench.py --sweep, NOTES.md): (NV vectors of 4 tokens per row, G rows
-# per thread, warps, programs-per-launch cap, FENCE, ORDER).  A tile is block_tokens(config) tokens; the
-# first tile of every program is read before the length is known, so cap * tile tokens bound what
-# a launch reads of a buffer whose rows are mostly empty.
-CONFIG_SMALL = (1, 1, 4, 2048, 1, 0)  # B * S <= 256K: 512-token tiles, latency first
-CONFIG_LARGE = (4, 1, 4, 1024, 1, 0)  # 2048-token tiles, 16 contiguous tokens per thread
-SMALL_WORK = 1 << 18
-
-
+# Config = (NV vectors of 4 tokens per row, G rows per thread, warps, programs-per-launch cap, FENCE,
+# ORDER).  A tile is block_tokens(config) tokens; the first tile of every program is read before the
+# length is known, so cap * tile tokens bound what a launch reads of a buffer whose rows are mostly
+# empty.
 Config = tuple[int, int, int, int, int, int]
+
+# The launcher's rule: tiers by work W = B * S (both fixed when a graph is captured, so the choice
+# is one launch of one config).  From the H200 sweep of 2126580 (NOTES.md: every config on all 32
+# bench rows, two passes, before and vLLM in the same rows); numbers are µs, rule vs the 3236c0e
+# default in the same run.
+RULE: tuple[tuple[int, Config], ...] = (
+    # W <= 32K (8K/32K B1): one-warp programs of 128 tokens: no block barrier in the reductions and
+    # <= 256 programs; 8K B1 n6-12 2.98 / 2.90 (was 3.81 / 3.80), 32K B1 3.09 / 3.00 (3.92 / 3.82).
+    (1 << 15, (1, 1, 1, 8192, 1, 0)),
+    # W <= 128K (8K B8, 100K B1): one-warp programs of 256 tokens (128-token ones pass 500 programs
+    # and lose: 100K B1 n5-5 quote 1.13x the old default); 100K B1 n6-12 3.30 / 3.26 (3.91 / 3.94),
+    # 8K B8 n6-12 3.24 / 3.18 (4.04 / 3.98); worst row 100K B1 n5-5 quote 3.23 vs 3.08 (1.05x, the
+    # old default's own two passes there: 2.95 / 3.21).
+    (1 << 17, (2, 1, 1, 4096, 1, 0)),
+    # W <= 1M (256K B1, 32K B8, 100K B8): 1024-token tiles of 4 warps, ORDER=1 (the tile's loads
+    # issued before the length's: 4-13% off n6-12 rows on 4-warp tiles, 0-8% on n5-5 and on one-warp
+    # tiles); 256K B1 n6-12 3.85 / 3.96 (4.45 / 4.60), 32K B8 4.00 / 4.09 (4.38 / 4.54), 100K B8
+    # 5.14 / 5.95 (5.57 / 6.22); n5-5 rows 0.99-1.03x.
+    (1 << 20, (2, 1, 4, 2048, 1, 1)),
+)
+# Past 1M (256K B8): 2048-token tiles, 16 contiguous tokens per thread, the 3236c0e default there;
+# every other candidate was within 1% or slower (ORDER=1 1.07x on n6-12 vocab 8, one-warp 1.2-1.7x).
+CONFIG_LARGE: Config = (4, 1, 4, 1024, 1, 0)
 
 
 def block_tokens(config: tuple[int, ...]) -> int:
@@ -48,7 +66,12 @@ def block_tokens(config: tuple[int, ...]) -> int:
 
 
 def default_config(batch: int, capacity: int) -> Config:
-    return CONFIG_SMALL if batch * capacity <= SMALL_WORK else CONFIG_LARGE
+    """The config for B requests over an [*, S] history buffer (RULE)."""
+    work = batch * capacity
+    for limit, config in RULE:
+        if work <= limit:
+            return config
+    return CONFIG_LARGE
 
 
 @triton.jit

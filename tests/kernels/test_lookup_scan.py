@@ -130,6 +130,40 @@ def test_configs_block_loop_and_idle_programs(config, programs):
         assert not ws.any()
 
 
+def test_rule_tiers():
+    """The launcher's config follows B * S through RULE's tiers (bench rows: 8K/32K B1 -> 128-token
+    one-warp tiles; 8K B8, 100K B1 -> 256-token; 256K B1, 32K/100K B8 -> 1024-token ORDER=1;
+    256K B8 -> 2048-token)."""
+    from kernels.lookup_scan.triton import CONFIG_LARGE, RULE, default_config
+
+    picks = {(B, S): default_config(B, S) for B in (1, 8) for S in (8192, 32768, 100_000, 262_144)}
+    assert picks[1, 8192] == picks[1, 32768] == RULE[0][1]
+    assert picks[8, 8192] == picks[1, 100_000] == RULE[1][1]
+    assert picks[1, 262_144] == picks[8, 32768] == picks[8, 100_000] == RULE[2][1]
+    assert picks[8, 262_144] == CONFIG_LARGE
+    assert default_config(3, 2500) == RULE[0][1] and default_config(64, 1 << 20) == CONFIG_LARGE
+
+
+@pytest.mark.parametrize("tier", range(4), ids=["w1-128", "w1-256", "w4-1024-order", "w4-2048"])
+def test_rule_configs(tier):
+    """Each config the rule can pick, with the launcher's own grid (P from the cap): mixed lengths,
+    a row shorter than the suffix, vocab-4 rows (every tile passes the hit test)."""
+    from kernels.lookup_scan.triton import CONFIG_LARGE, RULE, block_tokens, lookup_scan_fwd
+
+    config = (*[c for _, c in RULE], CONFIG_LARGE)[tier]
+    S = 2 * block_tokens(config) + 301  # interior and edge tiles; few programs (the interpreter's cost)
+    tok = torch.cat([repetitive(2, S, 300, seed=11), torch.randint(0, 4, (2, S), dtype=torch.int32)])
+    lens = torch.tensor([S, S - 223, 3, S - 1], dtype=torch.int32)
+    ws = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+    for min_n, max_n in [(6, 12), (5, 5)]:
+        out = (torch.full((4, 7), -7, dtype=torch.int64, device=DEVICE),
+               torch.full((4,), -7, dtype=torch.int32, device=DEVICE))
+        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, config)
+        dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 7)
+        assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
+        assert not ws.any()
+
+
 @pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
 @pytest.mark.parametrize("S", [8192, 100_000, 262_144])
 @pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
