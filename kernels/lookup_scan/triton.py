@@ -49,13 +49,14 @@ RULE: tuple[tuple[int, Config], ...] = (
     # old default's own two passes there: 2.95 / 3.21).
     (1 << 17, (2, 1, 1, 4096, 1, 0)),
     # W <= 1M (256K B1, 32K B8, 100K B8): 1024-token tiles of 4 warps, ORDER=1 (the tile's loads
-    # issued before the length's: 4-13% off n6-12 rows on 4-warp tiles, 0-8% on n5-5 and on one-warp
-    # tiles); 256K B1 n6-12 3.85 / 3.96 (4.45 / 4.60), 32K B8 4.00 / 4.09 (4.38 / 4.54), 100K B8
-    # 5.14 / 5.95 (5.57 / 6.22); n5-5 rows 0.99-1.03x.
+    # issued before the length's: geometric mean 3-8% off n6-12 rows on 4-warp tiles, 1-4% more on
+    # n5-5 rows and on one-warp tiles); 256K B1 n6-12 3.85 / 3.96 (4.45 / 4.60), 32K B8 4.00 / 4.09
+    # (4.38 / 4.54), 100K B8 5.14 / 5.95 (5.57 / 6.22); n5-5 rows 1.00-1.03x.
     (1 << 20, (2, 1, 4, 2048, 1, 1)),
 )
-# Past 1M (256K B8): 2048-token tiles, 16 contiguous tokens per thread, the 3236c0e default there;
-# every other candidate was within 1% or slower (ORDER=1 1.07x on n6-12 vocab 8, one-warp 1.2-1.7x).
+# Past 1M (256K B8): 2048-token tiles, 16 contiguous tokens per thread, the 3236c0e default there; no
+# candidate beats it on all four rows (256-token one-warp 0.93x on n6-12 vocab 8 but 1.13-1.20x on
+# quoting; the others 0.99x at best; ORDER=1 1.00-1.07x).
 CONFIG_LARGE: Config = (4, 1, 4, 1024, 1, 0)
 
 
