@@ -1,7 +1,7 @@
 """Benchmark: split-KV verify attention vs vLLM 0.32.0's unified_attention vs torch SDPA (H200).
 
     python -m kernels.verify_attention.bench [--sweep] [--json PATH] [--quick] [--triton] [--no-vllm]
-        [--no-sdpa] [--no-mma] [--fixed-cost] [--before-dir DIR]
+        [--no-sdpa] [--no-mma] [--fixed-cost] [--before-dir DIR] [--node-costs]
 
 Measures the device's copy bandwidth first, then times every provider with CUDA-graph replay
 and a cold L2 (a 256 MiB buffer is read before every replay), median of the replays.
@@ -555,6 +555,42 @@ def fixed_cost(
     torch.cuda.empty_cache()
 
 
+def node_costs(flush: torch.Tensor, bw: float, results: list) -> None:
+    """Issue 6: what the combine's graph node costs at 100K b1 (T=1, T=8), per pool size.
+
+    One process, one flush method: the shipped default (split + combine kernel), the split kernel
+    alone (``combine=False``), the split kernel + an empty kernel node, an empty node alone; the
+    problem's blocks drawn at random from pools of 100K and 400K tokens (--fixed-cost uses 400K,
+    the main table 800K). Session 3 (NOTES.md) measured the default 3.2 µs over the split alone
+    with the 100K pool, where earlier --fixed-cost runs (400K pool) gave ~9 µs."""
+    empty = torch.cuda._compile_kernel('extern "C" __global__ void va_empty() {}', "va_empty")
+
+    def node() -> None:
+        empty(grid=(1, 1, 1), block=(32, 1, 1), args=[])
+
+    for tokens in (100_000, 4 * 100_000):
+        pool = make_pool(tokens + 64, 16, HKV, D)
+        for t in (1, 8):
+            prob = Problem(pool, 1, 100_000, t, HQ)
+            split = prob.cuda_variant(combine=False)
+
+            def split_node(split: Callable[[], object] = split) -> None:
+                split()
+                node()
+
+            variants = {"default": prob.ours(), "split only": split, "split + empty node": split_node,
+                        "empty node": node}  # fmt: skip
+            us = {name: time_graph(fn, flush) for name, fn in variants.items()}
+            label = f"pool={tokens // 1000}K ctx=100000 T={t} b=1"
+            for name, v in us.items():
+                results.append(row(f"{label} {name}", v, prob.int8_bytes, bw, None, float("nan")))
+            print(f"{label}: " + ", ".join(f"{k} {v:.1f}" for k, v in us.items())
+                  + f"; default - split only {us['default'] - us['split only']:.1f} us", flush=True)  # fmt: skip
+            del prob
+        del pool
+        torch.cuda.empty_cache()
+
+
 def triton_next_pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
@@ -580,6 +616,8 @@ def main() -> None:
     ap.add_argument("--profile-one", type=int, default=0, help="one launch at 100K, T=this")
     ap.add_argument("--fixed-cost", action="store_true", help="scheduling/combine variants at 100K")
     ap.add_argument("--fixed-cost-only", action="store_true", help="stop after --fixed-cost")
+    ap.add_argument("--node-costs", action="store_true",
+                    help="the combine node's cost per pool size (100K b1, T=1/8), then stop")  # fmt: skip
     ap.add_argument("--before-src", default=None, help="the .cu of commit 1344eca, timed as 'before-1344eca'")
     ap.add_argument("--before-dir", default=None,
                     help="a folder with the previous commit's cuda/__init__.py and verify_attention.cu: "
@@ -599,6 +637,11 @@ def main() -> None:
     if vllm is None and not args.no_vllm:
         print("vLLM reference files not found: set VLLM_REF_DIR (see module docstring)")
 
+    if args.node_costs:
+        node_costs(flush, bw, results)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        return
     before_mod = load_before(args.before_dir) if args.before_dir else None
     if args.fixed_cost or args.fixed_cost_only:
         before = Path(args.before_src).read_text() if args.before_src else None
