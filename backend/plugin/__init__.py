@@ -9,8 +9,8 @@ engine, its workers and the API server agree without sharing state:
   HYPERHARNESS_VERIFY_ATTN=1     verify batches on the int8 per-token-head cache go to
                                  kernels.verify_attention (CUDA workers only)
   HYPERHARNESS_GDN_LAZY=1        lazy GDN state commit via kernels.gdn_verify (OOT GDN layer; on CPU
-                                 through Triton's interpreter, for tests; refuses a speculator with
-                                 --mamba-cache-mode align, whose state copies are not wired yet)
+                                 through Triton's interpreter, for tests; a speculator with
+                                 --mamba-cache-mode align needs patch 0003, else it refuses)
 
 `register()` must be idempotent and cheap: vLLM calls it several times per process.
 """

@@ -4,9 +4,10 @@ The kernel (kernels/gdn_verify) folds the previous verify step's accepted tokens
 state at the start of the next step instead of storing T per-token states per layer.
 `install()` registers the out-of-tree `QwenGatedDeltaNetAttention` (gdn_layer.py, through
 `PluggableLayer.register_oot`); the per-layer token log, parity and slot bookkeeping are in
-gdn_lazy.py.  The layer refuses (at model construction) a speculator with
-`--mamba-cache-mode align`: vLLM's align-mode copies read column `num_accepted - 1` of a verify
-window as a materialised state, and they are not wired to the lazy commit yet.
+gdn_lazy.py.  With a speculator and `--mamba-cache-mode align`, vLLM's align-mode copies read
+column `num_accepted - 1` of a verify window as a materialised state: patch 0003 hands the GDN
+temporal copies to the layer (`mamba_align_temporal_copy`); without it the layer refuses at model
+construction.
 """
 from __future__ import annotations
 
