@@ -187,3 +187,23 @@ def test_hook_is_inert_without_owning_layers() -> None:
     ctx = _context(types.SimpleNamespace(kv_cache=[conv, ssm]), conv, ssm, 2)
     assert ctx.temporal_copy_layers == []
     assert ctx.state_inner_sizes.tolist() == [ctx.state_inner_sizes[0].item(), ssm[0].numel()]
+
+
+def test_layer_accepts_align_with_a_speculator_only_with_the_patch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    from backend.plugin.gdn_layer import LazyQwenGDN
+
+    def parent_init(self, *args, **kwargs) -> None:  # only what LazyQwenGDN.__init__ reads
+        torch.nn.Module.__init__(self)
+        self.speculative_config = object()
+        self.cache_config = types.SimpleNamespace(mamba_cache_mode="align")
+
+    monkeypatch.setattr(QwenGatedDeltaNetAttention, "__init__", parent_init)
+    layer = LazyQwenGDN.__new__(LazyQwenGDN)
+    LazyQwenGDN.__init__(layer)  # 0003 applied: accepted
+    assert layer.hh_align_copies == 0 and layer.enable_fused_gdn_spec_decode is False
+    monkeypatch.delattr(mamba_utils, "ALIGN_TEMPORAL_COPY_HOOK")
+    assert not align_copies_patched()
+    with pytest.raises(NotImplementedError, match="0003"):
+        LazyQwenGDN.__init__(LazyQwenGDN.__new__(LazyQwenGDN))
