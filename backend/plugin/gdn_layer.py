@@ -109,7 +109,7 @@ class LazyQwenGDN(QwenGatedDeltaNetAttention):
                 pool,
                 num_k_heads=self.num_k_heads // self.tp_size,
                 max_tokens=self.num_spec + 1,
-                log_dtype=self.model_config.dtype,  # k, v (conv output), a, b: the model dtype
+                log_dtype=self.model_config.dtype,  # k's dtype (conv output: the model dtype); exact in the log
                 state_vk=state_vk,
                 eager=self.hh_eager,
                 kernels=_kernels(),

@@ -4,9 +4,10 @@ vLLM's eager spec-decode scheme keeps, per request, a window of ``1 + num_spec``
 (``spec_state_indices[r]``, column 0 first): a verify step of T tokens reads the state in column
 ``num_accepted - 1`` and writes the state after token t into column t.
 
-The lazy scheme keeps one base state in column 0 plus a token log of the step's raw k, v, a, b
-(``log[slot, half]``); the next verify step replays its ``num_accepted`` accepted tokens onto the
-base (``fused_recurrent_gdn_verify``), so each layer writes one state per request and step instead
+The lazy scheme keeps one base state in column 0 plus a token log of the step's tokens (raw k,
+the delta vector u, decay and 1/||k||: ``kernels.gdn_verify.log_layout``; ``log[slot, half]``); the
+next verify step replays its ``num_accepted`` accepted tokens onto the base as rank-1 updates
+(``fused_recurrent_gdn_verify``), so each layer writes one state per request and step instead
 of T.  This module tracks, per column-0 slot, which form the state is in:
 
   lazy[s] = False   vLLM form: the state of the last accepted token is materialised in column
