@@ -275,6 +275,9 @@ def supported(
         return False
     if kp % 16 or k.stride(0) >= 2**31:
         return False
+    # The wgmma kernel exchanges a key's window offset as 32 bits in 16-byte units: pool < 64 GB.
+    if k.shape[0] * k.stride(0) >= 2**36:
+        return False
     for t, off in ((k_scale_cache, d), (v_scale_cache, 2 * d + 4)):
         if t.data_ptr() != kp + off or tuple(4 * s for s in t.stride()) != tuple(k.stride()[:3]):
             return False
