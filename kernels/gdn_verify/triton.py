@@ -54,19 +54,19 @@ def _default_config(batch: int, state_dtype: torch.dtype, state_vk: bool = False
     (16, 1, 4): 4), so K reductions run in the same order and a request's results do not depend
     on the batch size it ran in (bit-identical across the two tilings, tested on the GPU).
     """
-    # From the f315e7c sweep (same-row repeats agree within 1%): fp32 below batch 8 wants the
-    # da5db45 prefetch depth (PF 2 / RG 4: B=1 14.1 -> 13.5, B=4 31.0 -> 30.1 µs), fp32 at 8 and
-    # bf16 below 8 the late k conversion (46.3 -> 45.1; B=1 14.1 -> 12.1, B=4 31.1 -> 27.4);
-    # bf16 at 8 keeps KCVT=1 (47.6 with 0).  fp16 was not swept: unchanged.  KCVT/PF/RG move
-    # no result bit, so every batch still rounds like the [8 K x 4 V] family.
+    # From the 2847685 sweep (rank-1 replay; NOTES.md, same-row repeats within 1%): fp32 takes
+    # the 16-wide tile from batch 4 (B=4 28.0 -> 26.9 µs) and RG 8 below (B=1 12.7 -> 12.6, B=4
+    # with BV 8 27.4); bf16 at batch >= 4 the 16-wide tile with PF 2 (B=8 39.5 -> 36.5; B=4 one
+    # 20.1 cell to re-time, 16/1/4/4 25.7 vs 26.8).  fp16 was not swept: unchanged.  KCVT/PF/RG
+    # move no result bit, so every batch still rounds like the [8 K x 4 V] family.
     if state_vk:
         return (8, 1, 4, 2, 4, 1, 1)
-    if batch >= 8:
-        return (16, 1, 4, 4, 8, 1, 0 if state_dtype == torch.float32 else 1)
     if state_dtype == torch.float32:
-        return (8, 1, 2, 2, 4, 1, 0)
+        return (16, 1, 4, 4, 8, 1, 0) if batch >= 4 else (8, 1, 2, 2, 8, 1, 0)
     if state_dtype == torch.bfloat16:
-        return (8, 1, 2, 4, 8, 1, 0)
+        return (16, 1, 4, 2, 8, 1, 0) if batch >= 4 else (8, 1, 2, 4, 8, 1, 0)
+    if batch >= 8:
+        return (16, 1, 4, 4, 8, 1, 1)
     return (8, 1, 2, 4, 8, 1, 1)
 
 

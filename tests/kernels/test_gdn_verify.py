@@ -350,16 +350,17 @@ def test_real_shapes_log_variants_gpu(variant):
 
 
 def test_default_config_table():
-    """(BV, num_warps, VEC, PF, RG, FOLD, KCVT) per batch, from the H200 sweep in NOTES.md."""
+    """Every batch size's default config rounds like batch 1's (the [8 K x 4 V] family), so a
+    request's results do not depend on the batch it ran in; configs are (BV, num_warps, VEC, PF,
+    RG, FOLD, KCVT) from the H200 sweep in NOTES.md."""
     from kernels.gdn_verify.triton import _default_config, _resolve_config
 
-    small = {torch.float32: (8, 1, 2, 2, 4, 1, 0), torch.bfloat16: (8, 1, 2, 4, 8, 1, 0),
-             torch.float16: (8, 1, 2, 4, 8, 1, 1)}
     for sd in (torch.float32, torch.bfloat16, torch.float16):
-        big = (16, 1, 4, 4, 8, 1, 0 if sd == torch.float32 else 1)
-        assert _default_config(8, sd) == _default_config(16, sd) == big
-        assert _default_config(1, sd) == _default_config(7, sd) == small[sd]
-        assert _family_ref(small[sd]) == _family_ref(big)  # same rounding at every batch size
+        ref = _family_ref(_default_config(1, sd))
+        for batch in (1, 2, 3, 4, 5, 7, 8, 16):
+            cfg = _default_config(batch, sd)
+            assert len(cfg) == 7 and cfg[:3] in ((8, 1, 2), (16, 1, 4))
+            assert _family_ref(cfg) == ref
         assert _default_config(8, sd, state_vk=True) == (8, 1, 4, 2, 4, 1, 1)
     assert _resolve_config((16, 2), 1, torch.bfloat16, False) == (16, 2, 2, 4, 8, 1, 0)
     with pytest.raises(ValueError):
