@@ -58,6 +58,8 @@ RULE: tuple[tuple[int, Config], ...] = (
 # candidate beats it on all four rows (256-token one-warp 0.93x on n6-12 vocab 8 but 1.13-1.20x on
 # quoting; the others 0.99x at best; ORDER=1 1.00-1.07x).
 CONFIG_LARGE: Config = (4, 1, 4, 1024, 1, 0)
+# Row-local scoring keys (_tile_scores_fast): identical scores, fewer instructions per position.
+FAST = 0
 
 
 def block_tokens(config: tuple[int, ...]) -> int:
@@ -102,11 +104,23 @@ def _load_tile(p_h, base, S, ROWS: tl.constexpr, NV: tl.constexpr, HV: tl.conste
 
 @triton.jit
 def _tile_scores(cols, s, row0, L, EDGE: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr,
-                 MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr):
+                 MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr, FAST: tl.constexpr):
     """Per-row max of m << POS_BITS | e + 1 over the row's end positions, m = 0 where the first
     MIN_N compares fail (so the max is a real match iff its m >= MIN_N).  EDGE: the tile holds
     positions < MAX_N - 1 or > L - 2 (clamp m to e + 1, zero it past L - 2); interior tiles skip
     both, leaving about two instructions per position and j."""
+    H: tl.constexpr = 4 * HV
+    if FAST:
+        acc = _tile_scores_fast(cols, s, row0, L, EDGE, NV, HV, MIN_N, MAX_N, POS_BITS)
+    else:
+        acc = _tile_scores_slow(cols, s, row0, L, EDGE, NV, HV, MIN_N, MAX_N, POS_BITS)
+    return acc
+
+
+@triton.jit
+def _tile_scores_slow(cols, s, row0, L, EDGE: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr,
+                      MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr):
+    """3236c0e's scoring: the packed score per position."""
     H: tl.constexpr = 4 * HV
     acc = tl.zeros_like(row0)
     for c in tl.static_range(4 * NV):
@@ -126,8 +140,43 @@ def _tile_scores(cols, s, row0, L, EDGE: tl.constexpr, NV: tl.constexpr, HV: tl.
 
 
 @triton.jit
+def _tile_scores_fast(cols, s, row0, L, EDGE: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr,
+                      MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr):
+    """_tile_scores with a row-local key: within a row the end positions are row0 + c, so the row's
+    best is the max of (m, c) and the packed score is built once per row, not per position.
+    MIN_N == MAX_N: m is MIN_N or nothing, so the key is the last matching column (one select per
+    position); else (m << 5 | c + 1), 4 * NV <= 16 columns (one shift-add and one max)."""
+    H: tl.constexpr = 4 * HV
+    acc = tl.zeros_like(row0)  # key per row; 0 = no position
+    for c in tl.static_range(4 * NV):
+        a = cols[H + c] == s[0]
+        for j in tl.static_range(1, MIN_N):
+            a = a & (cols[H + c - j] == s[j])
+        if MIN_N == MAX_N:
+            if EDGE:
+                # a match needs e + 1 >= n tokens (h[e-j] < 0 was read as 0) and e <= L - 2
+                e = row0 + c
+                a = a & (e <= L - 2) & (e >= MIN_N - 1)
+            acc = tl.where(a, c + 1, acc)  # columns ascend: the last match is the most recent
+        else:
+            m = tl.where(a, MIN_N, 0)
+            for j in tl.static_range(MIN_N, MAX_N):
+                a = a & (cols[H + c - j] == s[j])
+                m += a.to(tl.int32)
+            if EDGE:
+                e = row0 + c
+                m = tl.where(e <= L - 2, tl.minimum(m, e + 1), 0)
+            acc = tl.maximum(acc, (m << 5) | (c + 1))
+    if MIN_N == MAX_N:
+        acc = tl.where(acc > 0, (MIN_N << POS_BITS) | (row0 + acc), 0)
+    else:
+        acc = ((acc >> 5) << POS_BITS) | (row0 + (acc & 31))
+    return acc
+
+
+@triton.jit
 def _tile_best(cols, s, base, L, active, ROWS: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr,
-               MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr):
+               MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr, FAST: tl.constexpr):
     """Best packed score over the tile's end positions (0 if none or not active); s = (h[L-1],
     h[L-2], ...).  The hit test reads the tile unconditionally, so the compiler cannot sink the
     tile's loads below the length's (one DRAM trip for both, see lookup_scan_kernel)."""
@@ -140,9 +189,9 @@ def _tile_best(cols, s, base, L, active, ROWS: tl.constexpr, NV: tl.constexpr, H
     if (tl.max(hit.to(tl.int32)) > 0) & active:  # quoting histories: almost every tile stops here
         row0 = base + tl.arange(0, ROWS) * (4 * NV)
         if (base >= MAX_N) & (base + BLOCK <= L - 1):
-            best = tl.max(_tile_scores(cols, s, row0, L, False, NV, HV, MIN_N, MAX_N, POS_BITS))
+            best = tl.max(_tile_scores(cols, s, row0, L, False, NV, HV, MIN_N, MAX_N, POS_BITS, FAST))
         else:
-            best = tl.max(_tile_scores(cols, s, row0, L, True, NV, HV, MIN_N, MAX_N, POS_BITS))
+            best = tl.max(_tile_scores(cols, s, row0, L, True, NV, HV, MIN_N, MAX_N, POS_BITS, FAST))
         best = tl.where((best >> POS_BITS) >= MIN_N, best, 0)
     return best
 
@@ -154,6 +203,7 @@ def lookup_scan_kernel(
     MIN_N: tl.constexpr, MAX_N: tl.constexpr, K_DRAFT: tl.constexpr, KP: tl.constexpr,
     ROWS: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr, HAS_REQ_IDX: tl.constexpr,
     POS_BITS: tl.constexpr, FENCE: tl.constexpr, ORDER: tl.constexpr,
+    FAST: tl.constexpr = 0, FOLD: tl.constexpr = 1, SUFFIX_AT_S: tl.constexpr = 0,
 ):
     BLOCK: tl.constexpr = ROWS * 4 * NV
     i_p, i_b = tl.program_id(0), tl.program_id(1)
@@ -172,15 +222,21 @@ def lookup_scan_kernel(
     n_act = tl.maximum(tl.minimum(n_tiles, P), 1)
     s = ()
     for j in tl.static_range(MAX_N):  # the suffix, last token first; all loads in flight at once
-        s = s + (tl.load(p_h + L - 1 - j, mask=L - 1 - j >= 0, other=0),)
+        if SUFFIX_AT_S:  # timing only (opts): the suffix at the buffer's end, not waiting for L
+            s = s + (tl.load(p_h + S - 1 - j),)
+        else:
+            s = s + (tl.load(p_h + L - 1 - j, mask=L - 1 - j >= 0, other=0),)
     # Not inside `if i_p < n_act`: the compiler would sink the tile's loads into the branch, after
     # the length's load (two DRAM trips; seen in the sm_90 SASS).
-    best = _tile_best(cols, s, i_p * BLOCK, L, i_p < n_act, ROWS, NV, HV, MIN_N, MAX_N, POS_BITS)
+    best = _tile_best(cols, s, i_p * BLOCK, L, i_p < n_act, ROWS, NV, HV, MIN_N, MAX_N, POS_BITS, FAST)
     for t in range(i_p + P, n_tiles, P):  # only past the program cap (never for idle programs)
         cols_t = _load_tile(p_h, t * BLOCK, S, ROWS, NV, HV)
         best = tl.maximum(best, _tile_best(cols_t, s, t * BLOCK, L, True, ROWS, NV, HV, MIN_N, MAX_N,
-                                           POS_BITS))
-    if i_p < n_act:
+                                           POS_BITS, FAST))
+    if FOLD == 0:  # timing only (opts): no fold, no draft; the store keeps the scan alive
+        if best < 0:
+            tl.store(ws + i_b, best)
+    elif i_p < n_act:
         if FENCE:
             if best > 0:  # most programs of a quoting history find nothing: spare the contended word
                 tl.atomic_max(ws + i_b, best, sem="relaxed")
@@ -219,10 +275,12 @@ def lookup_scan_fwd(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     programs_per_request: int | None = None,
     config: Config | None = None,
+    opts: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher; see kernels.lookup_scan.lookup_scan for the contract.  ``config`` = (NV, G,
     warps, programs-per-launch cap, FENCE, ORDER) picks the tile, the fold and the load order
-    (bench.py --sweep); default by B * S (default_config)."""
+    (bench.py --sweep); default by B * S (default_config).  ``opts``: kernel switches for
+    measurements (FAST, FOLD, SUFFIX_AT_S; prof.py), FOLD=0 and SUFFIX_AT_S=1 are timing only."""
     if not 1 <= min_n <= max_n or max_n > 31 or num_draft < 1:
         raise ValueError(f"need 1 <= min_n <= max_n <= 31 and num_draft >= 1, got {min_n}, {max_n}, {num_draft}")
     if token_ids.stride(-1) != 1 or token_ids.dtype not in (torch.int32, torch.int64):
@@ -249,5 +307,6 @@ def lookup_scan_fwd(
         MIN_N=min_n, MAX_N=max_n, K_DRAFT=num_draft, KP=triton.next_power_of_2(num_draft),
         ROWS=32 * nw * g, NV=nv, HV=triton.cdiv(max_n - 1, 4), HAS_REQ_IDX=req_indices is not None,
         POS_BITS=POS_BITS, FENCE=bool(fence), ORDER=bool(order), num_warps=nw,
+        **{"FAST": FAST, **(opts or {})},
     )
     return drafts, num_valid

@@ -1,0 +1,148 @@
+"""Where the time goes on the issue #7 goal rows: variants timed side by side (bench harness).
+
+    python -m kernels.lookup_scan.prof --precompile [--workers 16]
+    python -m kernels.lookup_scan.prof --time [--passes 2]
+    python -m kernels.lookup_scan.prof --eager ROW VARIANT     # a few eager launches, for ncu
+
+Rows: a = 100K B1 n6-12 (goal <= 3 µs), b = 256K B8 n5-5 (goal >= 2x vLLM), each on both
+histories.  Variants: config (bench.SWEEP layout) and kernel switches (triton.lookup_scan_fwd
+``opts``); FOLD=0 (no atomic fold, no draft) and SUFFIX_AT_S=1 (suffix read at the buffer's end,
+not after the length: the bench's histories are full) are timing only, their proposals are not
+checked; every other variant's proposals are compared with the serial reference ('!' = differs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from kernels.lookup_scan.bench import K_DRAFT, histories, load_baseline, load_vllm, vllm_runner
+from kernels.lookup_scan.reference import naive_lookup_scan
+from kernels.timing import time_graph
+
+ROWS = {  # name: (S, B, min_n, max_n)
+    "a": (100_000, 1, 6, 12),
+    "b": (262_144, 8, 5, 5),
+}
+_A, _B = (2, 1, 1, 4096, 1, 0), (4, 1, 4, 1024, 1, 0)
+# name: (config, opts); timing-only names end in '~'
+VARIANTS = {
+    "a": {
+        "rule": (_A, {"FAST": 0}),
+        "fast": (_A, {"FAST": 1}),
+        "nofold~": (_A, {"FAST": 0, "FOLD": 0}),
+        "sufS~": (_A, {"FAST": 0, "SUFFIX_AT_S": 1}),
+        "nofold+sufS~": (_A, {"FAST": 0, "FOLD": 0, "SUFFIX_AT_S": 1}),
+        "fast o1": ((2, 1, 1, 4096, 1, 1), {"FAST": 1}),
+        "fast 128w1": ((1, 1, 1, 8192, 1, 0), {"FAST": 1}),
+        "fast 512w1": ((4, 1, 1, 4096, 1, 0), {"FAST": 1}),
+        "fast 256 G2": ((1, 2, 1, 8192, 1, 0), {"FAST": 1}),
+        "fast 512w2": ((2, 1, 2, 4096, 1, 0), {"FAST": 1}),
+        "fast nofence": ((2, 1, 1, 4096, 0, 0), {"FAST": 1}),
+    },
+    "b": {
+        "rule": (_B, {"FAST": 0}),
+        "fast": (_B, {"FAST": 1}),
+        "nofold~": (_B, {"FAST": 0, "FOLD": 0}),
+        "sufS~": (_B, {"FAST": 0, "SUFFIX_AT_S": 1}),
+        "fast nofold~": (_B, {"FAST": 1, "FOLD": 0}),
+        "fast 2048w8": ((2, 1, 8, 1024, 1, 0), {"FAST": 1}),
+        "fast 4096w8": ((4, 1, 8, 512, 1, 0), {"FAST": 1}),
+        "fast 4096G2": ((4, 2, 4, 512, 1, 0), {"FAST": 1}),
+        "fast 1024w4": ((2, 1, 4, 2048, 1, 0), {"FAST": 1}),
+        "fast 512w1": ((4, 1, 1, 4096, 1, 0), {"FAST": 1}),
+        "fast 256w1": ((2, 1, 1, 4096, 1, 0), {"FAST": 1}),
+        "fast o1": ((4, 1, 4, 1024, 1, 1), {"FAST": 1}),
+        "fast nofence": ((4, 1, 4, 1024, 0, 0), {"FAST": 1}),
+    },
+}
+
+
+def _setup(row: str, kind: str):
+    S, B, mn, mx = ROWS[row]
+    tok_c = histories(kind, B, S, S + B)
+    lens_c = torch.full((B,), S, dtype=torch.int32)
+    return tok_c, lens_c, tok_c.cuda(), lens_c.cuda(), mn, mx
+
+
+def _fn(tok, lens, mn, mx, config, opts, out):
+    from kernels.lookup_scan.triton import lookup_scan_fwd
+
+    ws = torch.zeros(2 * tok.shape[0], dtype=torch.int64, device="cuda")
+    return lambda: lookup_scan_fwd(tok, lens, mn, mx, K_DRAFT, None, ws, out, None, config, opts)
+
+
+def _compile_one(job) -> str:
+    row, kind, name = job
+    _, _, tok, lens, mn, mx = _setup(row, "lowent")
+    config, opts = VARIANTS[row][name]
+    _fn(tok, lens, mn, mx, config, opts, None)()
+    torch.cuda.synchronize()
+    return name
+
+
+def precompile(workers: int) -> None:
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    jobs = [(r, "lowent", n) for r in VARIANTS for n in VARIANTS[r]]
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        list(ex.map(_compile_one, jobs))
+    print(f"precompiled {len(jobs)} variants", flush=True)
+
+
+def time_rows(passes: int) -> None:
+    mod, old_fwd = load_vllm(Path(".vllm_ref")), load_baseline(Path(".baseline"))
+    for p in range(passes):
+        for row in ROWS:
+            for kind in ("quote", "lowent"):
+                tok_c, lens_c, tok, lens, mn, mx = _setup(row, kind)
+                d_ref, n_ref = naive_lookup_scan(tok_c, lens_c, mn, mx, K_DRAFT)
+                names = list(VARIANTS[row]) if p % 2 == 0 else list(VARIANTS[row])[::-1]
+                res = {}
+                for name in names:
+                    config, opts = VARIANTS[row][name]
+                    B = tok.shape[0]
+                    out = (torch.full((B, K_DRAFT), -7, dtype=torch.int64, device="cuda"),
+                           torch.full((B,), -7, dtype=torch.int32, device="cuda"))
+                    t = time_graph(_fn(tok, lens, mn, mx, config, opts, out))
+                    ok = name.endswith("~") or (torch.equal(out[0].cpu(), d_ref) and torch.equal(out[1].cpu(), n_ref))
+                    res[name] = f"{t:.2f}{'' if ok else '!'}"
+                ws_b = torch.zeros(2 * tok.shape[0], dtype=torch.int64, device="cuda")
+                t_b = time_graph(lambda: old_fwd(tok, lens, mn, mx, K_DRAFT, None, ws_b, None)) if old_fwd else float("nan")  # noqa: B023
+                t_v = time_graph(vllm_runner(mod, tok, lens, mn, mx)[0]) if mod else float("nan")
+                print(f"pass {p + 1} row {row} {kind:6s} before {t_b:.2f} vllm {t_v:.2f} | "
+                      + "  ".join(f"{k} {res[k]}" for k in VARIANTS[row]), flush=True)
+
+
+def eager(row: str, kind: str, name: str) -> None:
+    _, _, tok, lens, mn, mx = _setup(row, kind)
+    config, opts = VARIANTS[row][name]
+    fn = _fn(tok, lens, mn, mx, config, opts, None)
+    for _ in range(4):
+        fn()
+    torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--precompile", action="store_true")
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--time", action="store_true")
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--eager", nargs=3, metavar=("ROW", "KIND", "VARIANT"))
+    args = ap.parse_args()
+    if args.precompile:
+        precompile(args.workers)
+    if args.time:
+        time_rows(args.passes)
+    if args.eager:
+        eager(*args.eager)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
