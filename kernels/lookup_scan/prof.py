@@ -3,6 +3,7 @@
     python -m kernels.lookup_scan.prof --precompile [--workers 16]
     python -m kernels.lookup_scan.prof --time [--passes 2]
     python -m kernels.lookup_scan.prof --eager ROW VARIANT     # a few eager launches, for ncu
+    python -m kernels.lookup_scan.prof --ab [--sizes ...]      # fold protocols on every bench row
 
 Rows: a = 100K B1 n6-12 (goal <= 3 µs), b = 256K B8 n5-5 (goal >= 2x vLLM), each on both
 histories.  Variants: config (bench.SWEEP layout) and kernel switches (triton.lookup_scan_fwd
@@ -42,6 +43,10 @@ VARIANTS = {
         "fast 256 G2": ((1, 2, 1, 8192, 1, 0), {"FAST": 1}),
         "fast 512w2": ((2, 1, 2, 4096, 1, 0), {"FAST": 1}),
         "fast nofence": ((2, 1, 1, 4096, 0, 0), {"FAST": 1}),
+        "F2": ((2, 1, 1, 4096, 2, 0), {"FAST": 0}),
+        "F3": ((2, 1, 1, 4096, 3, 0), {"FAST": 0}),
+        "F3 512w1": ((4, 1, 1, 4096, 3, 0), {"FAST": 0}),
+        "F3 128w1": ((1, 1, 1, 8192, 3, 0), {"FAST": 0}),
     },
     "b": {
         "rule": (_B, {"FAST": 0}),
@@ -57,6 +62,12 @@ VARIANTS = {
         "fast 256w1": ((2, 1, 1, 4096, 1, 0), {"FAST": 1}),
         "fast o1": ((4, 1, 4, 1024, 1, 1), {"FAST": 1}),
         "fast nofence": ((4, 1, 4, 1024, 0, 0), {"FAST": 1}),
+        "F2": ((4, 1, 4, 1024, 2, 0), {"FAST": 0}),
+        "F3": ((4, 1, 4, 1024, 3, 0), {"FAST": 0}),
+        "F3 fast": ((4, 1, 4, 1024, 3, 0), {"FAST": 1}),
+        "F3 2048w8": ((2, 1, 8, 1024, 3, 0), {"FAST": 0}),
+        "F3 1024w4": ((2, 1, 4, 2048, 3, 0), {"FAST": 0}),
+        "F3 256w1": ((2, 1, 1, 4096, 3, 0), {"FAST": 0}),
     },
 }
 
@@ -76,19 +87,35 @@ def _fn(tok, lens, mn, mx, config, opts, out):
 
 
 def _compile_one(job) -> str:
-    row, kind, name = job
-    _, _, tok, lens, mn, mx = _setup(row, "lowent")
-    config, opts = VARIANTS[row][name]
+    if job[0] == "bench":  # ours / before / vLLM launches of a bench row
+        from kernels.lookup_scan.bench import precompile_one
+
+        return precompile_one(job[1])
+    S, B, mn, mx, config, opts = job
+    tok = torch.zeros(B, S, dtype=torch.int32, device="cuda")
+    lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
     _fn(tok, lens, mn, mx, config, opts, None)()
     torch.cuda.synchronize()
-    return name
+    return str(job)
 
 
 def precompile(workers: int) -> None:
     import concurrent.futures as cf
     import multiprocessing as mp
 
-    jobs = [(r, "lowent", n) for r in VARIANTS for n in VARIANTS[r]]
+    from kernels.lookup_scan.bench import SIZES
+    from kernels.lookup_scan.triton import default_config
+
+    jobs = [(*ROWS[r], *VARIANTS[r][n]) for r in VARIANTS for n in VARIANTS[r]]
+    for S in SIZES:
+        for B in (1, 8):
+            for mn, mx in ((5, 5), (6, 12)):
+                base = default_config(B, S)
+                jobs += [(S, B, mn, mx, (*base[:4], f, base[5]), None) for f in (1, 2, 3)]
+                jobs += [("bench", ("lookup", who, S, B, mn, mx, None)) for who in ("old", "vllm")]
+    from kernels.lookup_scan.bench import TEST_S, precompile_jobs
+
+    jobs += [("bench", j) for j in precompile_jobs() if j[2] == TEST_S]  # the GPU tests' SWEEP launches
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
         list(ex.map(_compile_one, jobs))
     print(f"precompiled {len(jobs)} variants", flush=True)
@@ -127,6 +154,37 @@ def eager(row: str, kind: str, name: str) -> None:
     torch.cuda.synchronize()
 
 
+def ab(sizes, fences=(1, 2, 3), passes: int = 2) -> None:
+    """Every bench row: the rule's config with each FENCE (fold protocol), before and vLLM in the
+    same row; passes alternate the variant order."""
+    from kernels.lookup_scan.bench import cases
+    from kernels.lookup_scan.triton import default_config
+
+    mod, old_fwd = load_vllm(Path(".vllm_ref")), load_baseline(Path(".baseline"))
+    print("ab: µs per call; FENCE f = the rule's config with the fold protocol f; '!' = proposals differ", flush=True)
+    for case in cases(sizes):
+        S, B, mn, mx, kind = case
+        tok_c = histories(kind, B, S, S + B)
+        lens_c = torch.full((B,), S, dtype=torch.int32)
+        d_ref, n_ref = naive_lookup_scan(tok_c, lens_c, mn, mx, K_DRAFT)
+        tok, lens = tok_c.cuda(), lens_c.cuda()
+        base = default_config(B, S)
+        res = {f: [] for f in fences}
+        for p in range(passes):
+            for f in (fences if p % 2 == 0 else fences[::-1]):
+                config = (*base[:4], f, base[5])
+                out = (torch.full((B, K_DRAFT), -7, dtype=torch.int64, device="cuda"),
+                       torch.full((B,), -7, dtype=torch.int32, device="cuda"))
+                t = time_graph(_fn(tok, lens, mn, mx, config, None, out))
+                ok = torch.equal(out[0].cpu(), d_ref) and torch.equal(out[1].cpu(), n_ref)
+                res[f].append(f"{t:.2f}{'' if ok else '!'}")
+        ws_b = torch.zeros(2 * B, dtype=torch.int64, device="cuda")
+        t_b = time_graph(lambda: old_fwd(tok, lens, mn, mx, K_DRAFT, None, ws_b, None)) if old_fwd else float("nan")  # noqa: B023
+        t_v = time_graph(vllm_runner(mod, tok, lens, mn, mx)[0]) if mod else float("nan")
+        print(f"ab S={S} B={B} n{mn}-{mx} {kind:6s} cfg {'/'.join(map(str, base))} | before {t_b:.2f} vllm {t_v:.2f} | "
+              + "  ".join(f"F{f} {' '.join(res[f])}" for f in fences), flush=True)
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -135,7 +193,11 @@ def main() -> None:
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--eager", nargs=3, metavar=("ROW", "KIND", "VARIANT"))
+    ap.add_argument("--ab", action="store_true")
+    ap.add_argument("--sizes", default="8192,32768,100000,262144")
     args = ap.parse_args()
+    if args.ab:
+        ab([int(x) for x in args.sizes.split(",")])
     if args.precompile:
         precompile(args.workers)
     if args.time:

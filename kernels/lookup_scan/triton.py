@@ -23,6 +23,8 @@ program loops over further tiles (loaded after the length is known).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -42,22 +44,22 @@ Config = tuple[int, int, int, int, int, int]
 RULE: tuple[tuple[int, Config], ...] = (
     # W <= 32K (8K/32K B1): one-warp programs of 128 tokens: no block barrier in the reductions and
     # <= 256 programs; 8K B1 n6-12 2.98 / 2.90 (was 3.81 / 3.80), 32K B1 3.09 / 3.00 (3.92 / 3.82).
-    (1 << 15, (1, 1, 1, 8192, 1, 0)),
+    (1 << 15, (1, 1, 1, 8192, 3, 0)),
     # W <= 128K (8K B8, 100K B1): one-warp programs of 256 tokens (128-token ones pass 500 programs
     # and lose: 100K B1 n5-5 quote 1.13x the old default); 100K B1 n6-12 3.30 / 3.26 (3.91 / 3.94),
     # 8K B8 n6-12 3.24 / 3.18 (4.04 / 3.98); worst row 100K B1 n5-5 quote 3.23 vs 3.08 (1.05x, the
     # old default's own two passes there: 2.95 / 3.21).
-    (1 << 17, (2, 1, 1, 4096, 1, 0)),
+    (1 << 17, (2, 1, 1, 4096, 3, 0)),
     # W <= 1M (256K B1, 32K B8, 100K B8): 1024-token tiles of 4 warps, ORDER=1 (the tile's loads
     # issued before the length's: geometric mean 3-8% off n6-12 rows on 4-warp tiles, 1-4% more on
     # n5-5 rows and on one-warp tiles); 256K B1 n6-12 3.85 / 3.96 (4.45 / 4.60), 32K B8 4.00 / 4.09
     # (4.38 / 4.54), 100K B8 5.14 / 5.95 (5.57 / 6.22); n5-5 rows 1.00-1.03x.
-    (1 << 20, (2, 1, 4, 2048, 1, 1)),
+    (1 << 20, (2, 1, 4, 2048, 3, 1)),
 )
 # Past 1M (256K B8): 2048-token tiles, 16 contiguous tokens per thread, the 3236c0e default there; no
 # candidate beats it on all four rows (256-token one-warp 0.93x on n6-12 vocab 8 but 1.13-1.20x on
 # quoting; the others 0.99x at best; ORDER=1 1.00-1.07x).
-CONFIG_LARGE: Config = (4, 1, 4, 1024, 1, 0)
+CONFIG_LARGE: Config = (4, 1, 4, 1024, 3, 0)
 # Row-local scoring keys (_tile_scores_fast): identical scores, fewer instructions per position.
 FAST = 0
 
@@ -237,7 +239,18 @@ def lookup_scan_kernel(
         if best < 0:
             tl.store(ws + i_b, best)
     elif i_p < n_act:
-        if FENCE:
+        if FENCE >= 2:
+            # Release only where there is something to publish: a program that wrote a max
+            # releases it with its ticket (fence + atom); the others (quoting histories: almost
+            # all) take a relaxed ticket, no fence.  Relaxed RMWs continue the release sequence
+            # of every earlier ticket, so the finisher's acquire below synchronizes with each
+            # releasing program (PTX memory model, release patterns / release sequences).
+            if best > 0:
+                tl.atomic_max(ws + i_b, best, sem="relaxed")
+                ticket = tl.atomic_add(ws + B + i_b, 1, sem="release")
+            else:
+                ticket = tl.atomic_add(ws + B + i_b, 1, sem="relaxed")
+        elif FENCE:
             if best > 0:  # most programs of a quoting history find nothing: spare the contended word
                 tl.atomic_max(ws + i_b, best, sem="relaxed")
             ticket = tl.atomic_add(ws + B + i_b, 1, sem="acq_rel")  # release orders the max above
@@ -252,7 +265,19 @@ def lookup_scan_kernel(
         if ticket == n_act - 1:
             # Last program of the request: every max is visible (acquire); plain loads/stores
             # suffice, no other program touches the two words again in this launch.
-            best = tl.load(ws + i_b, volatile=True)
+            if FENCE == 2:
+                # acquire: a fence after the ticket that read n_act - 1 (one program per request
+                # pays it), then the max from L2; [1]-shaped so the asm is an elementwise op
+                o1 = tl.arange(0, 1)
+                best = tl.max(tl.inline_asm_elementwise(
+                    "fence.acq_rel.gpu;\n\tld.relaxed.gpu.global.b32 $0, [$1];", "=r,l", [ws + i_b + o1],
+                    dtype=tl.int32, is_pure=False, pack=1), 0)
+            elif FENCE == 3:
+                # acquire as an RMW on the ticket word (reads the end of the release sequence)
+                dep = tl.atomic_add(ws + B + i_b, 0, sem="acquire") >> 31  # 0; keeps the RMW
+                best = tl.load(ws + i_b + dep, volatile=True)
+            else:
+                best = tl.load(ws + i_b, volatile=True)
             tl.store(ws + i_b, 0)
             tl.store(ws + B + i_b, 0)
             start = best & ((1 << POS_BITS) - 1)  # e + 1 of the winning end position
@@ -299,6 +324,8 @@ def lookup_scan_fwd(
     )
     S = token_ids.shape[1]
     nv, g, nw, cap, fence, order = config or default_config(B, S)
+    if fence == 2 and os.environ.get("TRITON_INTERPRET") == "1":
+        fence = 3  # the interpreter runs no inline PTX: the same protocol, acquire as an RMW
     block = block_tokens((nv, g, nw))
     P = programs_per_request or max(1, min(triton.cdiv(S, block), max(8, cap // max(B, 1))))
     lookup_scan_kernel[(P, B)](
