@@ -47,6 +47,7 @@ VARIANTS = {
         "F3": ((2, 1, 1, 4096, 3, 0), {"FAST": 0}),
         "F3 512w1": ((4, 1, 1, 4096, 3, 0), {"FAST": 0}),
         "F3 128w1": ((1, 1, 1, 8192, 3, 0), {"FAST": 0}),
+        "F4": ((2, 1, 1, 4096, 4, 0), {"FAST": 0}),
     },
     "b": {
         "rule": (_B, {"FAST": 0}),
@@ -68,6 +69,7 @@ VARIANTS = {
         "F3 2048w8": ((2, 1, 8, 1024, 3, 0), {"FAST": 0}),
         "F3 1024w4": ((2, 1, 4, 2048, 3, 0), {"FAST": 0}),
         "F3 256w1": ((2, 1, 1, 4096, 3, 0), {"FAST": 0}),
+        "F4": ((4, 1, 4, 1024, 4, 0), {"FAST": 0}),
     },
 }
 
@@ -99,19 +101,19 @@ def _compile_one(job) -> str:
     return str(job)
 
 
-def precompile(workers: int) -> None:
+def precompile(workers: int, fences=(1, 2, 3), variants: bool = True) -> None:
     import concurrent.futures as cf
     import multiprocessing as mp
 
     from kernels.lookup_scan.bench import SIZES
     from kernels.lookup_scan.triton import default_config
 
-    jobs = [(*ROWS[r], *VARIANTS[r][n]) for r in VARIANTS for n in VARIANTS[r]]
+    jobs = [(*ROWS[r], *VARIANTS[r][n]) for r in VARIANTS for n in VARIANTS[r]] if variants else []
     for S in SIZES:
         for B in (1, 8):
             for mn, mx in ((5, 5), (6, 12)):
                 base = default_config(B, S)
-                jobs += [(S, B, mn, mx, (*base[:4], f, base[5]), None) for f in (1, 2, 3)]
+                jobs += [(S, B, mn, mx, (*base[:4], f, base[5]), None) for f in fences]
                 jobs += [("bench", ("lookup", who, S, B, mn, mx, None)) for who in ("old", "vllm")]
     from kernels.lookup_scan.bench import TEST_S, precompile_jobs
 
@@ -195,11 +197,14 @@ def main() -> None:
     ap.add_argument("--eager", nargs=3, metavar=("ROW", "KIND", "VARIANT"))
     ap.add_argument("--ab", action="store_true")
     ap.add_argument("--sizes", default="8192,32768,100000,262144")
+    ap.add_argument("--fences", default="1,2,3", help="--ab / --precompile: FENCE values")
+    ap.add_argument("--no-variants", action="store_true", help="--precompile: only the --ab and GPU-test launches")
     args = ap.parse_args()
-    if args.ab:
-        ab([int(x) for x in args.sizes.split(",")])
+    fences = tuple(int(x) for x in args.fences.split(","))
     if args.precompile:
-        precompile(args.workers)
+        precompile(args.workers, fences, not args.no_variants)
+    if args.ab:
+        ab([int(x) for x in args.sizes.split(",")], fences)
     if args.time:
         time_rows(args.passes)
     if args.eager:

@@ -44,22 +44,22 @@ Config = tuple[int, int, int, int, int, int]
 RULE: tuple[tuple[int, Config], ...] = (
     # W <= 32K (8K/32K B1): one-warp programs of 128 tokens: no block barrier in the reductions and
     # <= 256 programs; 8K B1 n6-12 2.98 / 2.90 (was 3.81 / 3.80), 32K B1 3.09 / 3.00 (3.92 / 3.82).
-    (1 << 15, (1, 1, 1, 8192, 1, 0)),
+    (1 << 15, (1, 1, 1, 8192, 4, 0)),
     # W <= 128K (8K B8, 100K B1): one-warp programs of 256 tokens (128-token ones pass 500 programs
     # and lose: 100K B1 n5-5 quote 1.13x the old default); 100K B1 n6-12 3.30 / 3.26 (3.91 / 3.94),
     # 8K B8 n6-12 3.24 / 3.18 (4.04 / 3.98); worst row 100K B1 n5-5 quote 3.23 vs 3.08 (1.05x, the
     # old default's own two passes there: 2.95 / 3.21).
-    (1 << 17, (2, 1, 1, 4096, 1, 0)),
+    (1 << 17, (2, 1, 1, 4096, 4, 0)),
     # W <= 1M (256K B1, 32K B8, 100K B8): 1024-token tiles of 4 warps, ORDER=1 (the tile's loads
     # issued before the length's: geometric mean 3-8% off n6-12 rows on 4-warp tiles, 1-4% more on
     # n5-5 rows and on one-warp tiles); 256K B1 n6-12 3.85 / 3.96 (4.45 / 4.60), 32K B8 4.00 / 4.09
     # (4.38 / 4.54), 100K B8 5.14 / 5.95 (5.57 / 6.22); n5-5 rows 1.00-1.03x.
-    (1 << 20, (2, 1, 4, 2048, 1, 1)),
+    (1 << 20, (2, 1, 4, 2048, 4, 1)),
 )
 # Past 1M (256K B8): 2048-token tiles, 16 contiguous tokens per thread, the 3236c0e default there; no
 # candidate beats it on all four rows (256-token one-warp 0.93x on n6-12 vocab 8 but 1.13-1.20x on
 # quoting; the others 0.99x at best; ORDER=1 1.00-1.07x).
-CONFIG_LARGE: Config = (4, 1, 4, 1024, 1, 0)
+CONFIG_LARGE: Config = (4, 1, 4, 1024, 4, 0)
 # Row-local scoring keys (_tile_scores_fast): identical scores, ~12% fewer warp instructions at
 # 256K B8 n5-5 vocab 8, but 58 -> 91 registers (two waves of the 1024-program grid): off (NOTES.md,
 # "ncu and fold protocols").  FENCE 2/3 (release only from programs that wrote a max, acquire in
@@ -242,7 +242,18 @@ def lookup_scan_kernel(
         if best < 0:
             tl.store(ws + i_b, best)
     elif i_p < n_act:
-        if FENCE >= 2:
+        if FENCE == 4:
+            # Every ticket acquires (ATOM + L1 invalidate, no MEMBAR); only a program that wrote a
+            # max also releases (acq_rel: MEMBAR first).  Whoever draws the last ticket has read
+            # the end of every release sequence, so it needs no fence of its own: the last
+            # program of a quoting history pays no MEMBAR (FENCE 1's finisher pays one, ~0.3 µs
+            # by FENCE 0's measurement).
+            if best > 0:
+                tl.atomic_max(ws + i_b, best, sem="relaxed")
+                ticket = tl.atomic_add(ws + B + i_b, 1, sem="acq_rel")
+            else:
+                ticket = tl.atomic_add(ws + B + i_b, 1, sem="acquire")
+        elif FENCE >= 2:
             # Release only where there is something to publish: a program that wrote a max
             # releases it with its ticket (fence + atom); the others (quoting histories: almost
             # all) take a relaxed ticket, no fence.  Relaxed RMWs continue the release sequence
