@@ -43,7 +43,6 @@ VARIANTS = {
         "fast 256 G2": ((1, 2, 1, 8192, 1, 0), {"FAST": 1}),
         "fast 512w2": ((2, 1, 2, 4096, 1, 0), {"FAST": 1}),
         "fast nofence": ((2, 1, 1, 4096, 0, 0), {"FAST": 1}),
-        "F2": ((2, 1, 1, 4096, 2, 0), {"FAST": 0}),
         "F3": ((2, 1, 1, 4096, 3, 0), {"FAST": 0}),
         "F3 512w1": ((4, 1, 1, 4096, 3, 0), {"FAST": 0}),
         "F3 128w1": ((1, 1, 1, 8192, 3, 0), {"FAST": 0}),
@@ -63,7 +62,6 @@ VARIANTS = {
         "fast 256w1": ((2, 1, 1, 4096, 1, 0), {"FAST": 1}),
         "fast o1": ((4, 1, 4, 1024, 1, 1), {"FAST": 1}),
         "fast nofence": ((4, 1, 4, 1024, 0, 0), {"FAST": 1}),
-        "F2": ((4, 1, 4, 1024, 2, 0), {"FAST": 0}),
         "F3": ((4, 1, 4, 1024, 3, 0), {"FAST": 0}),
         "F3 fast": ((4, 1, 4, 1024, 3, 0), {"FAST": 1}),
         "F3 2048w8": ((2, 1, 8, 1024, 3, 0), {"FAST": 0}),
@@ -101,7 +99,7 @@ def _compile_one(job) -> str:
     return str(job)
 
 
-def precompile(workers: int, fences=(1, 2, 3), variants: bool = True) -> None:
+def precompile(workers: int, fences=(1, 3, 4), variants: bool = True) -> None:
     import concurrent.futures as cf
     import multiprocessing as mp
 
@@ -156,7 +154,7 @@ def eager(row: str, kind: str, name: str) -> None:
     torch.cuda.synchronize()
 
 
-def ab(sizes, fences=(1, 2, 3), passes: int = 2) -> None:
+def ab(sizes, fences=(1, 3, 4), passes: int = 2) -> None:
     """Every bench row: the rule's config with each FENCE (fold protocol), before and vLLM in the
     same row; passes alternate the variant order."""
     from kernels.lookup_scan.bench import cases
@@ -197,7 +195,7 @@ def main() -> None:
     ap.add_argument("--eager", nargs=3, metavar=("ROW", "KIND", "VARIANT"))
     ap.add_argument("--ab", action="store_true")
     ap.add_argument("--sizes", default="8192,32768,100000,262144")
-    ap.add_argument("--fences", default="1,2,3", help="--ab / --precompile: FENCE values")
+    ap.add_argument("--fences", default="1,3,4", help="--ab / --precompile: FENCE values")
     ap.add_argument("--no-variants", action="store_true", help="--precompile: only the --ab and GPU-test launches")
     args = ap.parse_args()
     fences = tuple(int(x) for x in args.fences.split(","))

@@ -23,8 +23,6 @@ program loops over further tiles (loaded after the length is known).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -34,7 +32,8 @@ POS_BITS = 26
 # Config = (NV vectors of 4 tokens per row, G rows per thread, warps, programs-per-launch cap, FENCE,
 # ORDER).  A tile is block_tokens(config) tokens; the first tile of every program is read before the
 # length is known, so cap * tile tokens bound what a launch reads of a buffer whose rows are mostly
-# empty.
+# empty.  FENCE: the fold protocol, 1 = acq_rel tickets (the rule), 0 = hardware order (outside the
+# PTX model, not a candidate), 3 / 4 = release only from programs that wrote a max (kernel comments).
 Config = tuple[int, int, int, int, int, int]
 
 # The launcher's rule: tiers by work W = B * S (both fixed when a graph is captured, so the choice
@@ -44,26 +43,27 @@ Config = tuple[int, int, int, int, int, int]
 RULE: tuple[tuple[int, Config], ...] = (
     # W <= 32K (8K/32K B1): one-warp programs of 128 tokens: no block barrier in the reductions and
     # <= 256 programs; 8K B1 n6-12 2.98 / 2.90 (was 3.81 / 3.80), 32K B1 3.09 / 3.00 (3.92 / 3.82).
-    (1 << 15, (1, 1, 1, 8192, 4, 0)),
+    (1 << 15, (1, 1, 1, 8192, 1, 0)),
     # W <= 128K (8K B8, 100K B1): one-warp programs of 256 tokens (128-token ones pass 500 programs
     # and lose: 100K B1 n5-5 quote 1.13x the old default); 100K B1 n6-12 3.30 / 3.26 (3.91 / 3.94),
     # 8K B8 n6-12 3.24 / 3.18 (4.04 / 3.98); worst row 100K B1 n5-5 quote 3.23 vs 3.08 (1.05x, the
     # old default's own two passes there: 2.95 / 3.21).
-    (1 << 17, (2, 1, 1, 4096, 4, 0)),
+    (1 << 17, (2, 1, 1, 4096, 1, 0)),
     # W <= 1M (256K B1, 32K B8, 100K B8): 1024-token tiles of 4 warps, ORDER=1 (the tile's loads
     # issued before the length's: geometric mean 3-8% off n6-12 rows on 4-warp tiles, 1-4% more on
     # n5-5 rows and on one-warp tiles); 256K B1 n6-12 3.85 / 3.96 (4.45 / 4.60), 32K B8 4.00 / 4.09
     # (4.38 / 4.54), 100K B8 5.14 / 5.95 (5.57 / 6.22); n5-5 rows 1.00-1.03x.
-    (1 << 20, (2, 1, 4, 2048, 4, 1)),
+    (1 << 20, (2, 1, 4, 2048, 1, 1)),
 )
 # Past 1M (256K B8): 2048-token tiles, 16 contiguous tokens per thread, the 3236c0e default there; no
 # candidate beats it on all four rows (256-token one-warp 0.93x on n6-12 vocab 8 but 1.13-1.20x on
 # quoting; the others 0.99x at best; ORDER=1 1.00-1.07x).
-CONFIG_LARGE: Config = (4, 1, 4, 1024, 4, 0)
+CONFIG_LARGE: Config = (4, 1, 4, 1024, 1, 0)
 # Row-local scoring keys (_tile_scores_fast): identical scores, ~12% fewer warp instructions at
 # 256K B8 n5-5 vocab 8, but 58 -> 91 registers (two waves of the 1024-program grid): off (NOTES.md,
-# "ncu and fold protocols").  FENCE 2/3 (release only from programs that wrote a max, acquire in
-# the finisher) measured equal to FENCE 1 on all 32 bench rows: the rule keeps FENCE 1.
+# "ncu and fold protocols").  FENCE 3 (release only from programs that wrote a max, acquire in
+# the finisher) and 4 (every ticket acquires, no MEMBAR on the no-match path) measured equal to
+# FENCE 1 on all 32 bench rows: the rule keeps FENCE 1.
 FAST = 0
 
 
@@ -253,7 +253,7 @@ def lookup_scan_kernel(
                 ticket = tl.atomic_add(ws + B + i_b, 1, sem="acq_rel")
             else:
                 ticket = tl.atomic_add(ws + B + i_b, 1, sem="acquire")
-        elif FENCE >= 2:
+        elif FENCE == 3:
             # Release only where there is something to publish: a program that wrote a max
             # releases it with its ticket (fence + atom); the others (quoting histories: almost
             # all) take a relaxed ticket, no fence.  Relaxed RMWs continue the release sequence
@@ -279,15 +279,9 @@ def lookup_scan_kernel(
         if ticket == n_act - 1:
             # Last program of the request: every max is visible (acquire); plain loads/stores
             # suffice, no other program touches the two words again in this launch.
-            if FENCE == 2:
-                # acquire: a fence after the ticket that read n_act - 1 (one program per request
-                # pays it), then the max from L2; [1]-shaped so the asm is an elementwise op
-                o1 = tl.arange(0, 1)
-                best = tl.max(tl.inline_asm_elementwise(
-                    "fence.acq_rel.gpu;\n\tld.relaxed.gpu.global.b32 $0, [$1];", "=r,l", [ws + i_b + o1],
-                    dtype=tl.int32, is_pure=False, pack=1), 0)
-            elif FENCE == 3:
-                # acquire as an RMW on the ticket word (reads the end of the release sequence)
+            if FENCE == 3:
+                # acquire as an RMW of 0 on the ticket word (reads the end of every release
+                # sequence; ptxas emits an acquire load: LDG.STRONG.GPU + CCTL.IVALL)
                 dep = tl.atomic_add(ws + B + i_b, 0, sem="acquire") >> 31  # 0; keeps the RMW
                 best = tl.load(ws + i_b + dep, volatile=True)
             else:
@@ -338,8 +332,6 @@ def lookup_scan_fwd(
     )
     S = token_ids.shape[1]
     nv, g, nw, cap, fence, order = config or default_config(B, S)
-    if fence == 2 and os.environ.get("TRITON_INTERPRET") == "1":
-        fence = 3  # the interpreter runs no inline PTX: the same protocol, acquire as an RMW
     block = block_tokens((nv, g, nw))
     P = programs_per_request or max(1, min(triton.cdiv(S, block), max(8, cap // max(B, 1))))
     lookup_scan_kernel[(P, B)](
