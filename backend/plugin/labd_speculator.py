@@ -88,7 +88,10 @@ def _v2_class() -> type:
             self.labd = settings
             self.labd_stats = _LabdStats()
             self._lookup = _lookup_scan()
-            self._lookup_ws = torch.zeros(2 * self.max_num_reqs, dtype=torch.int64, device=self.device)
+            from kernels.lookup_scan import workspace_numel  # after _lookup_scan (TRITON_INTERPRET)
+
+            self._lookup_ws_numel = workspace_numel
+            self._lookup_ws = torch.zeros(workspace_numel(self.max_num_reqs), dtype=torch.int64, device=self.device)
             self._lookup_tokens = torch.zeros(
                 self.max_num_reqs, self.num_speculative_steps, dtype=torch.int64, device=self.device
             )
@@ -129,7 +132,7 @@ def _v2_class() -> type:
                 self.labd.max_n,
                 k,
                 req_indices=rows,
-                workspace=self._lookup_ws[: 2 * num_reqs],
+                workspace=self._lookup_ws[: self._lookup_ws_numel(num_reqs)],
                 out=(self._lookup_tokens[:num_reqs], self._lookup_valid[:num_reqs]),
             )
             # A request still in chunked prefill sampled nothing: its drafts are discarded anyway.

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from kernels.lookup_scan.reference import naive_lookup_scan
-from kernels.lookup_scan.triton import lookup_scan_fwd
+from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
 
-__all__ = ["lookup_scan", "naive_lookup_scan"]
+__all__ = ["lookup_scan", "naive_lookup_scan", "workspace_numel"]
 
 
 def lookup_scan(
@@ -36,8 +36,9 @@ def lookup_scan(
         min_n, max_n: n-gram lengths, 1 <= min_n <= max_n <= 31.
         num_draft: k tokens to propose.
         req_indices: optional [B] int rows to serve (vLLM's ``idx_mapping``); default all R rows.
-        workspace: optional contiguous int64 [2 * B] zeros (used as int32 words); the kernel leaves
-            it zeroed, so a persistent one makes the call CUDA-graph capturable with no memset.
+        workspace: optional contiguous int64 [workspace_numel(B)] zeros (used as int32 words; a
+            longer one is fine); the kernel leaves it zeroed, so a persistent one makes the call
+            CUDA-graph capturable with no memset.
         out: optional (drafts [B, num_draft] int64, num_valid [B] int32).
         programs_per_request: grid width per request (default from S, capped).
 

@@ -30,6 +30,7 @@ import torch
 import triton
 
 from kernels.lookup_scan import lookup_scan, naive_lookup_scan
+from kernels.lookup_scan.triton import CANDIDATES, DEFAULT, candidate, lookup_scan_fwd, workspace_numel
 from kernels.timing import time_graph
 
 K_DRAFT = 7
@@ -119,9 +120,7 @@ def cases(sizes) -> list[tuple[int, int, int, int, str]]:
 
 
 def _run_variant(tok, lens, mn, mx, var, out=None):
-    from kernels.lookup_scan.triton import lookup_scan_fwd
-
-    ws = torch.zeros(2 * tok.shape[0], dtype=torch.int64, device="cuda")
+    ws = torch.zeros(workspace_numel(tok.shape[0]), dtype=torch.int64, device="cuda")
     return lambda: lookup_scan_fwd(tok, lens, mn, mx, K_DRAFT, None, ws, out, None, var)
 
 
@@ -148,7 +147,7 @@ def precompile_one(job: tuple) -> str:
     if who == "sweep":
         _run_variant(tok, lens, mn, mx, var)()
     elif who == "ours":
-        lookup_scan(tok, lens, mn, mx, K_DRAFT, workspace=torch.zeros(2 * B, dtype=torch.int64, device="cuda"))
+        lookup_scan(tok, lens, mn, mx, K_DRAFT, workspace=torch.zeros(workspace_numel(B), dtype=torch.int64, device="cuda"))
     elif who == "old":
         fwd = load_baseline(Path(".baseline"))
         if fwd is not None:
@@ -235,7 +234,12 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--vllm-ref", type=Path, default=Path(".vllm_ref"))
     ap.add_argument("--baseline", type=Path, default=Path(".baseline"))
+    ap.add_argument("--candidates", default="", help="launcher candidates (triton.CANDIDATES) timed beside ours")
     args = ap.parse_args()
+    cands = [c for c in args.candidates.split(",") if c and c != DEFAULT]
+    for c in cands:
+        if c not in CANDIDATES:
+            raise SystemExit(f"unknown candidate {c}; known: {', '.join(CANDIDATES)}")
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.precompile:
         precompile(args.workers)
@@ -255,7 +259,8 @@ def main() -> None:
     print(f"launch floor in this harness (one empty Triton kernel): {time_graph(lambda: _empty_kernel[(1,)](dummy)):.2f} µs")
     print(f"\nlookup scan, k={K_DRAFT}; µs per call (CUDA graph, cold L2: memset-flushed, flush time subtracted); ref = serial torch on CPU, ms")
     print(f"{'hist':>7} {'B':>2} {'n':>5} {'data':>6} | {'ours':>7} | {'before':>7} | {'vllm':>7} | {'ref ms':>8} "
-          f"| vllm/ours | before/ours | same")
+          f"| vllm/ours | before/ours | same" + "".join(f" | {c:>6} vllm/{c} {c}/ours" for c in cands)
+          + f"   (ours = {DEFAULT})")
     for S in sizes:
         for B in (1, 8):
             for min_n, max_n in ((5, 5), (6, 12)):
@@ -263,7 +268,7 @@ def main() -> None:
                     tok_c = histories(kind, B, S, S + B)
                     lens_c = torch.full((B,), S, dtype=torch.int32)
                     tok, lens = tok_c.cuda(), lens_c.cuda()
-                    ws = torch.zeros(2 * B, dtype=torch.int64, device="cuda")
+                    ws = torch.zeros(workspace_numel(B), dtype=torch.int64, device="cuda")
                     out = (torch.empty(B, K_DRAFT, dtype=torch.int64, device="cuda"),
                            torch.empty(B, dtype=torch.int32, device="cuda"))
                     ours = lambda: lookup_scan(tok, lens, min_n, max_n, K_DRAFT, workspace=ws, out=out)  # noqa: E731
@@ -284,9 +289,23 @@ def main() -> None:
                         fn, d_v = vllm_runner(mod, tok, lens, min_n, max_n)
                         t_v = time_graph(fn)
                         same = same and torch.equal(d_v.cpu(), d_ref)
+                    extra = ""
+                    for c in cands:  # each candidate: its own workspace and outputs, same row and data
+                        cfg, opts = candidate(c, B, S)
+                        ws_c = torch.zeros(workspace_numel(B), dtype=torch.int64, device="cuda")
+                        out_c = (torch.full((B, K_DRAFT), -7, dtype=torch.int64, device="cuda"),
+                                 torch.full((B,), -7, dtype=torch.int32, device="cuda"))
+                        try:
+                            t_c = time_graph(lambda: lookup_scan_fwd(tok, lens, min_n, max_n, K_DRAFT, None, ws_c,  # noqa: B023
+                                                                     out_c, None, cfg, opts))  # noqa: B023
+                        except Exception as e:  # noqa: BLE001 (a launch option this Triton lacks: the row goes on)
+                            extra += f" | {c} ERR {type(e).__name__}"
+                            continue
+                        ok = torch.equal(out_c[0].cpu(), d_ref) and torch.equal(out_c[1].cpu(), n_ref)
+                        extra += f" | {t_c:6.2f}{'' if ok else '!'} {t_v / t_c:7.2f}x {t_c / t_ours:7.2f}x"
                     print(f"{S:>7} {B:>2} {min_n:>2}-{max_n:<2} {kind:>6} | {t_ours:7.2f} | {t_b:7.2f} | {t_v:7.2f} | "
                           f"{t_ref:8.2f} | {t_v / t_ours:8.2f}x | {t_b / t_ours:10.2f}x | {same} "
-                          f"(matched {int((n_ref > 0).sum())}/{B})", flush=True)
+                          f"(matched {int((n_ref > 0).sum())}/{B})" + extra, flush=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -29,45 +30,44 @@ ROWS = {  # name: (S, B, min_n, max_n)
     "b": (262_144, 8, 5, 5),
 }
 _A, _B = (2, 1, 1, 4096, 1, 0), (4, 1, 4, 1024, 1, 0)
-# name: (config, opts); timing-only names end in '~'
+_A4, _B4 = (2, 1, 1, 4096, 4, 0), (4, 1, 4, 1024, 4, 0)
+_SC = {"SPREAD": 1, "COVER": 1}
+# name: (config, opts); timing-only names end in '~'.  2026-11-30: FENCE 4 for real (the launcher
+# passed bool(FENCE) before, so F3 / F4 ran FENCE 1), SPREAD (one workspace line per request),
+# COVER (loop-free kernel), EDGE_ONLY (one scoring copy), FAST under a register cap (r64), TICKETS
+# (two-level tickets, T group words); c1-c3 = triton.CANDIDATES at the row's tier.
 VARIANTS = {
     "a": {
-        "rule": (_A, {"FAST": 0}),
-        "fast": (_A, {"FAST": 1}),
-        "nofold~": (_A, {"FAST": 0, "FOLD": 0}),
-        "sufS~": (_A, {"FAST": 0, "SUFFIX_AT_S": 1}),
-        "nofold+sufS~": (_A, {"FAST": 0, "FOLD": 0, "SUFFIX_AT_S": 1}),
-        "fast o1": ((2, 1, 1, 4096, 1, 1), {"FAST": 1}),
-        "fast 128w1": ((1, 1, 1, 8192, 1, 0), {"FAST": 1}),
-        "fast 512w1": ((4, 1, 1, 4096, 1, 0), {"FAST": 1}),
-        "fast 256 G2": ((1, 2, 1, 8192, 1, 0), {"FAST": 1}),
-        "fast 512w2": ((2, 1, 2, 4096, 1, 0), {"FAST": 1}),
-        "fast nofence": ((2, 1, 1, 4096, 0, 0), {"FAST": 1}),
-        "F3": ((2, 1, 1, 4096, 3, 0), {"FAST": 0}),
-        "F3 512w1": ((4, 1, 1, 4096, 3, 0), {"FAST": 0}),
-        "F3 128w1": ((1, 1, 1, 8192, 3, 0), {"FAST": 0}),
-        "F4": ((2, 1, 1, 4096, 4, 0), {"FAST": 0}),
+        "rule": (_A, {}),
+        "nofold~": (_A, {"FOLD": 0}),
+        "F4": (_A4, {}),
+        "F3": ((2, 1, 1, 4096, 3, 0), {}),
+        "cover": (_A, {"COVER": 1}),
+        "cover edge1": (_A, {"COVER": 1, "EDGE_ONLY": 1}),
+        "c1": (_A4, _SC),
+        "c2": (_A4, {**_SC, "EDGE_ONLY": 1}),
+        "c2 nofold~": (_A4, {**_SC, "EDGE_ONLY": 1, "FOLD": 0}),
+        "F0 cover edge1": ((2, 1, 1, 4096, 0, 0), {"COVER": 1, "EDGE_ONLY": 1}),
+        "c1 T15": (_A4, {**_SC, "TICKETS": 15}),
+        "c3": (_A4, {**_SC, "EDGE_ONLY": 1, "TICKETS": 15}),
+        "c2 T6": (_A4, {**_SC, "EDGE_ONLY": 1, "TICKETS": 6}),
     },
     "b": {
-        "rule": (_B, {"FAST": 0}),
+        "rule": (_B, {}),
+        "nofold~": (_B, {"FOLD": 0}),
+        "F4": (_B4, {}),
+        "spread": (_B, {"SPREAD": 1}),
+        "cover": (_B, {"COVER": 1}),
+        "c1": (_B4, _SC),
         "fast": (_B, {"FAST": 1}),
-        "nofold~": (_B, {"FAST": 0, "FOLD": 0}),
-        "sufS~": (_B, {"FAST": 0, "SUFFIX_AT_S": 1}),
-        "fast nofold~": (_B, {"FAST": 1, "FOLD": 0}),
-        "fast 2048w8": ((2, 1, 8, 1024, 1, 0), {"FAST": 1}),
-        "fast 4096w8": ((4, 1, 8, 512, 1, 0), {"FAST": 1}),
-        "fast 4096G2": ((4, 2, 4, 512, 1, 0), {"FAST": 1}),
-        "fast 1024w4": ((2, 1, 4, 2048, 1, 0), {"FAST": 1}),
-        "fast 512w1": ((4, 1, 1, 4096, 1, 0), {"FAST": 1}),
-        "fast 256w1": ((2, 1, 1, 4096, 1, 0), {"FAST": 1}),
-        "fast o1": ((4, 1, 4, 1024, 1, 1), {"FAST": 1}),
-        "fast nofence": ((4, 1, 4, 1024, 0, 0), {"FAST": 1}),
-        "F3": ((4, 1, 4, 1024, 3, 0), {"FAST": 0}),
-        "F3 fast": ((4, 1, 4, 1024, 3, 0), {"FAST": 1}),
-        "F3 2048w8": ((2, 1, 8, 1024, 3, 0), {"FAST": 0}),
-        "F3 1024w4": ((2, 1, 4, 2048, 3, 0), {"FAST": 0}),
-        "F3 256w1": ((2, 1, 1, 4096, 3, 0), {"FAST": 0}),
-        "F4": ((4, 1, 4, 1024, 4, 0), {"FAST": 0}),
+        "fast r64": (_B, {"FAST": 1, "MAXNREG": 64}),
+        "c1 fast": (_B4, {**_SC, "FAST": 1}),
+        "c2": (_B4, {**_SC, "FAST": 1, "MAXNREG": 64}),
+        "c2 nofold~": (_B4, {**_SC, "FAST": 1, "MAXNREG": 64, "FOLD": 0}),
+        "F1 spread cover": (_B, _SC),
+        "c1 T8": (_B4, {**_SC, "TICKETS": 8}),
+        "c3": (_B4, {**_SC, "FAST": 1, "MAXNREG": 64, "TICKETS": 8}),
+        "c2 T4": (_B4, {**_SC, "FAST": 1, "MAXNREG": 64, "TICKETS": 4}),
     },
 }
 
@@ -82,11 +82,20 @@ def _setup(row: str, kind: str):
 def _fn(tok, lens, mn, mx, config, opts, out):
     from kernels.lookup_scan.triton import lookup_scan_fwd
 
-    ws = torch.zeros(2 * tok.shape[0], dtype=torch.int64, device="cuda")
+    from kernels.lookup_scan.triton import workspace_numel
+
+    ws = torch.zeros(workspace_numel(tok.shape[0]), dtype=torch.int64, device="cuda")
     return lambda: lookup_scan_fwd(tok, lens, mn, mx, K_DRAFT, None, ws, out, None, config, opts)
 
 
 def _compile_one(job) -> str:
+    try:
+        return _compile(job)
+    except Exception as e:  # noqa: BLE001 (one variant failing to compile must not stop the rest)
+        return f"FAILED {job}: {type(e).__name__}: {str(e)[:300]}"
+
+
+def _compile(job) -> str:
     if job[0] == "bench":  # ours / before / vLLM launches of a bench row
         from kernels.lookup_scan.bench import precompile_one
 
@@ -94,35 +103,44 @@ def _compile_one(job) -> str:
     S, B, mn, mx, config, opts = job
     tok = torch.zeros(B, S, dtype=torch.int32, device="cuda")
     lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
-    _fn(tok, lens, mn, mx, config, opts, None)()
+    _fn(tok, lens, mn, mx, config, dict(opts) if opts else None, None)()
     torch.cuda.synchronize()
     return str(job)
 
 
-def precompile(workers: int, fences=(1, 3, 4), variants: bool = True) -> None:
+def precompile(workers: int, fences=(1, 3, 4), variants: bool = True, candidates=()) -> None:
+    """Variants of the goal rows; every bench row with the rule's config and each FENCE (--ab) or
+    each named launcher candidate (bench --candidates), before and vLLM; the GPU tests' launches."""
     import concurrent.futures as cf
     import multiprocessing as mp
 
     from kernels.lookup_scan.bench import SIZES
-    from kernels.lookup_scan.triton import default_config
+    from kernels.lookup_scan.triton import candidate, default_config
 
     jobs = [(*ROWS[r], *VARIANTS[r][n]) for r in VARIANTS for n in VARIANTS[r]] if variants else []
     for S in SIZES:
         for B in (1, 8):
             for mn, mx in ((5, 5), (6, 12)):
                 base = default_config(B, S)
-                jobs += [(S, B, mn, mx, (*base[:4], f, base[5]), None) for f in fences]
+                if not candidates:
+                    jobs += [(S, B, mn, mx, (*base[:4], f, base[5]), None) for f in fences]
+                jobs += [(S, B, mn, mx, *candidate(c, B, S)) for c in candidates]
                 jobs += [("bench", ("lookup", who, S, B, mn, mx, None)) for who in ("old", "vllm")]
     from kernels.lookup_scan.bench import TEST_S, precompile_jobs
 
     jobs += [("bench", j) for j in precompile_jobs() if j[2] == TEST_S]  # the GPU tests' SWEEP launches
+    t0 = time.perf_counter()
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        list(ex.map(_compile_one, jobs))
-    print(f"precompiled {len(jobs)} variants", flush=True)
+        res = list(ex.map(_compile_one, jobs))
+    for r in res:
+        if r.startswith("FAILED"):
+            print(r, flush=True)
+    print(f"precompiled {len(jobs)} variants in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def time_rows(passes: int) -> None:
     mod, old_fwd = load_vllm(Path(".vllm_ref")), load_baseline(Path(".baseline"))
+    regs = {}
     for p in range(passes):
         for row in ROWS:
             for kind in ("quote", "lowent"):
@@ -135,14 +153,31 @@ def time_rows(passes: int) -> None:
                     B = tok.shape[0]
                     out = (torch.full((B, K_DRAFT), -7, dtype=torch.int64, device="cuda"),
                            torch.full((B,), -7, dtype=torch.int32, device="cuda"))
-                    t = time_graph(_fn(tok, lens, mn, mx, config, opts, out))
+                    try:
+                        t = time_graph(_fn(tok, lens, mn, mx, config, opts, out))
+                    except Exception as e:  # noqa: BLE001 (e.g. a launch option this Triton lacks)
+                        res[name] = f"ERR({type(e).__name__}: {str(e)[:80]})"
+                        continue
                     ok = name.endswith("~") or (torch.equal(out[0].cpu(), d_ref) and torch.equal(out[1].cpu(), n_ref))
                     res[name] = f"{t:.2f}{'' if ok else '!'}"
+                    if p == 0 and kind == "quote":
+                        regs[row, name] = _regs()
                 ws_b = torch.zeros(2 * tok.shape[0], dtype=torch.int64, device="cuda")
                 t_b = time_graph(lambda: old_fwd(tok, lens, mn, mx, K_DRAFT, None, ws_b, None)) if old_fwd else float("nan")  # noqa: B023
                 t_v = time_graph(vllm_runner(mod, tok, lens, mn, mx)[0]) if mod else float("nan")
                 print(f"pass {p + 1} row {row} {kind:6s} before {t_b:.2f} vllm {t_v:.2f} | "
                       + "  ".join(f"{k} {res[k]}" for k in VARIANTS[row]), flush=True)
+    print("registers (quote launch): " + "  ".join(f"{r}:{n} {v}" for (r, n), v in regs.items()), flush=True)
+
+
+def _regs() -> str:
+    from kernels.lookup_scan.triton import LAST_KERNEL
+
+    k = LAST_KERNEL[0]
+    try:
+        return f"{k.n_regs}r/{k.n_spills}s"
+    except Exception:  # noqa: BLE001 (a Triton without the attributes: the timing still stands)
+        return "?"
 
 
 def eager(row: str, kind: str, name: str) -> None:
@@ -197,10 +232,12 @@ def main() -> None:
     ap.add_argument("--sizes", default="8192,32768,100000,262144")
     ap.add_argument("--fences", default="1,3,4", help="--ab / --precompile: FENCE values")
     ap.add_argument("--no-variants", action="store_true", help="--precompile: only the --ab and GPU-test launches")
+    ap.add_argument("--candidates", default="", help="--precompile: bench rows of these triton.CANDIDATES, not --fences")
     args = ap.parse_args()
     fences = tuple(int(x) for x in args.fences.split(","))
     if args.precompile:
-        precompile(args.workers, fences, not args.no_variants)
+        cands = tuple(c for c in args.candidates.split(",") if c)
+        precompile(args.workers, fences, not args.no_variants, cands)
     if args.ab:
         ab([int(x) for x in args.sizes.split(",")], fences)
     if args.time:

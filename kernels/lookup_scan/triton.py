@@ -67,19 +67,60 @@ CONFIG_LARGE: Config = (4, 1, 4, 1024, 1, 0)
 FAST = 0
 
 
+def workspace_numel(batch: int) -> int:
+    """int64 elements of the workspace for B requests: one 128-byte line per request (SPREAD=1;
+    SPREAD=0 uses the first 2 * B).  Callers allocate zeros of this size once and reuse them."""
+    return 16 * batch
+
+
 def block_tokens(config: tuple[int, ...]) -> int:
     """Tokens per tile: ROWS = 32 * warps * G rows of 4 * NV tokens."""
     nv, g, nw = config[:3]
     return 4 * nv * g * 32 * nw
 
 
-def default_config(batch: int, capacity: int) -> Config:
-    """The config for B requests over an [*, S] history buffer (RULE)."""
-    work = batch * capacity
-    for limit, config in RULE:
+# Launcher defaults beyond the tile: name -> (FENCE, kernel switches per tier: RULE's three, then
+# CONFIG_LARGE's).  Switches: SPREAD=1 one 128-byte workspace line per request (workspace_numel);
+# COVER=1 the loop-free kernel where the grid covers the buffer; EDGE_ONLY=1 one scoring copy (the
+# edge one) instead of two; FAST=1 row-local keys; MAXNREG = ptxas register cap (launch option);
+# TICKETS = T two-level tickets (T group words per request).  "cur" = the rule of b80dba5; c1-c3 =
+# the 2026-11-30 candidates (NOTES.md), benched side by side.
+_C1 = {"SPREAD": 1, "COVER": 1}
+CANDIDATES: dict[str, tuple[int, tuple[dict[str, int], ...]]] = {
+    "cur": (1, ({}, {}, {}, {})),
+    "c1": (4, (_C1, _C1, _C1, _C1)),
+    "c2": (4, ({**_C1, "EDGE_ONLY": 1}, {**_C1, "EDGE_ONLY": 1}, _C1, {**_C1, "FAST": 1, "MAXNREG": 64})),
+    "c3": (4, ({**_C1, "EDGE_ONLY": 1, "TICKETS": 15}, {**_C1, "EDGE_ONLY": 1, "TICKETS": 15}, {**_C1, "TICKETS": 8},
+               {**_C1, "FAST": 1, "MAXNREG": 64, "TICKETS": 8})),
+}
+DEFAULT = "cur"
+# The compiled kernel of the last launch (prof.py prints its registers).
+LAST_KERNEL: list = [None]
+
+
+def _tier(work: int) -> int:
+    for i, (limit, _) in enumerate(RULE):
         if work <= limit:
-            return config
-    return CONFIG_LARGE
+            return i
+    return len(RULE)
+
+
+def candidate(name: str, batch: int, capacity: int) -> tuple[Config, dict[str, int]]:
+    """(config, opts) of the named launcher default for B requests over an [*, S] buffer."""
+    fence, per_tier = CANDIDATES[name]
+    i = _tier(batch * capacity)
+    base = RULE[i][1] if i < len(RULE) else CONFIG_LARGE
+    return (*base[:4], fence, base[5]), {"FAST": FAST, **per_tier[i]}
+
+
+def default_config(batch: int, capacity: int) -> Config:
+    """The config for B requests over an [*, S] history buffer (RULE, DEFAULT's fence)."""
+    return candidate(DEFAULT, batch, capacity)[0]
+
+
+def default_opts(batch: int, capacity: int) -> dict[str, int]:
+    """The kernel switches of DEFAULT for B requests over an [*, S] buffer."""
+    return candidate(DEFAULT, batch, capacity)[1]
 
 
 @triton.jit
@@ -181,7 +222,8 @@ def _tile_scores_fast(cols, s, row0, L, EDGE: tl.constexpr, NV: tl.constexpr, HV
 
 @triton.jit
 def _tile_best(cols, s, base, L, active, ROWS: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr,
-               MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr, FAST: tl.constexpr):
+               MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr, FAST: tl.constexpr,
+               EDGE_ONLY: tl.constexpr):
     """Best packed score over the tile's end positions (0 if none or not active); s = (h[L-1],
     h[L-2], ...).  The hit test reads the tile unconditionally, so the compiler cannot sink the
     tile's loads below the length's (one DRAM trip for both, see lookup_scan_kernel)."""
@@ -193,7 +235,9 @@ def _tile_best(cols, s, base, L, active, ROWS: tl.constexpr, NV: tl.constexpr, H
     best = tl.zeros((), dtype=tl.int32)
     if (tl.max(hit.to(tl.int32)) > 0) & active:  # quoting histories: almost every tile stops here
         row0 = base + tl.arange(0, ROWS) * (4 * NV)
-        if (base >= MAX_N) & (base + BLOCK <= L - 1):
+        if EDGE_ONLY:  # one copy of the scoring (the edge one, right for every tile): smaller code
+            best = tl.max(_tile_scores(cols, s, row0, L, True, NV, HV, MIN_N, MAX_N, POS_BITS, FAST))
+        elif (base >= MAX_N) & (base + BLOCK <= L - 1):
             best = tl.max(_tile_scores(cols, s, row0, L, False, NV, HV, MIN_N, MAX_N, POS_BITS, FAST))
         else:
             best = tl.max(_tile_scores(cols, s, row0, L, True, NV, HV, MIN_N, MAX_N, POS_BITS, FAST))
@@ -209,9 +253,19 @@ def lookup_scan_kernel(
     ROWS: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr, HAS_REQ_IDX: tl.constexpr,
     POS_BITS: tl.constexpr, FENCE: tl.constexpr, ORDER: tl.constexpr,
     FAST: tl.constexpr = 0, FOLD: tl.constexpr = 1, SUFFIX_AT_S: tl.constexpr = 0,
+    SPREAD: tl.constexpr = 0, COVER: tl.constexpr = 0, EDGE_ONLY: tl.constexpr = 0, TICKETS: tl.constexpr = 0,
 ):
     BLOCK: tl.constexpr = ROWS * 4 * NV
     i_p, i_b = tl.program_id(0), tl.program_id(1)
+    # The request's two int32 words: SPREAD=0 packs every request's max in ws[0:B] and its ticket
+    # in ws[B:2B] (all of a batch's tickets on one line: at 256K B8, 1024 atomics on one 64-byte
+    # line); SPREAD=1 gives each request its own 128-byte line, max and ticket in different halves.
+    if SPREAD:
+        w_max = ws + i_b * 32  # int32 words: 128 bytes per request (workspace_numel)
+        w_tk = w_max + 16
+    else:
+        w_max = ws + i_b
+        w_tk = ws + B + i_b
     row = tl.load(req_idx + i_b).to(tl.int64) if HAS_REQ_IDX else i_b.to(tl.int64)
     p_h = tokens + row * s_tok
     # The first tile (halo included) is loaded before the length is known: one DRAM trip for both.
@@ -233,15 +287,23 @@ def lookup_scan_kernel(
             s = s + (tl.load(p_h + L - 1 - j, mask=L - 1 - j >= 0, other=0),)
     # Not inside `if i_p < n_act`: the compiler would sink the tile's loads into the branch, after
     # the length's load (two DRAM trips; seen in the sm_90 SASS).
-    best = _tile_best(cols, s, i_p * BLOCK, L, i_p < n_act, ROWS, NV, HV, MIN_N, MAX_N, POS_BITS, FAST)
-    for t in range(i_p + P, n_tiles, P):  # only past the program cap (never for idle programs)
-        cols_t = _load_tile(p_h, t * BLOCK, S, ROWS, NV, HV)
-        best = tl.maximum(best, _tile_best(cols_t, s, t * BLOCK, L, True, ROWS, NV, HV, MIN_N, MAX_N,
-                                           POS_BITS, FAST))
+    best = _tile_best(cols, s, i_p * BLOCK, L, i_p < n_act, ROWS, NV, HV, MIN_N, MAX_N, POS_BITS, FAST,
+                      EDGE_ONLY)
+    if not COVER:  # COVER: the grid covers the buffer (P * BLOCK >= S - 1), the loop never runs
+        for t in range(i_p + P, n_tiles, P):  # only past the program cap (never for idle programs)
+            cols_t = _load_tile(p_h, t * BLOCK, S, ROWS, NV, HV)
+            best = tl.maximum(best, _tile_best(cols_t, s, t * BLOCK, L, True, ROWS, NV, HV, MIN_N, MAX_N,
+                                               POS_BITS, FAST, EDGE_ONLY))
     if FOLD == 0:  # timing only (opts): no fold, no draft; the store keeps the scan alive
         if best < 0:
-            tl.store(ws + i_b, best)
+            tl.store(w_max, best)
     elif i_p < n_act:
+        # TICKETS > 0: two-level tickets (timing variant): program i_p counts on group word
+        # i_p % TICKETS of the request's line and the last of each group takes the request's
+        # ticket, so no word sees more than cdiv(n_act, TICKETS) + TICKETS atomics.
+        w_t1 = w_tk
+        if TICKETS:
+            w_t1 = w_tk + 1 + i_p % TICKETS
         if FENCE == 4:
             # Every ticket acquires (ATOM + L1 invalidate, no MEMBAR); only a program that wrote a
             # max also releases (acq_rel: MEMBAR first).  Whoever draws the last ticket has read
@@ -249,10 +311,10 @@ def lookup_scan_kernel(
             # program of a quoting history pays no MEMBAR (FENCE 1's finisher pays one, ~0.3 µs
             # by FENCE 0's measurement).
             if best > 0:
-                tl.atomic_max(ws + i_b, best, sem="relaxed")
-                ticket = tl.atomic_add(ws + B + i_b, 1, sem="acq_rel")
+                tl.atomic_max(w_max, best, sem="relaxed")
+                ticket = tl.atomic_add(w_t1, 1, sem="acq_rel")
             else:
-                ticket = tl.atomic_add(ws + B + i_b, 1, sem="acquire")
+                ticket = tl.atomic_add(w_t1, 1, sem="acquire")
         elif FENCE == 3:
             # Release only where there is something to publish: a program that wrote a max
             # releases it with its ticket (fence + atom); the others (quoting histories: almost
@@ -260,34 +322,44 @@ def lookup_scan_kernel(
             # of every earlier ticket, so the finisher's acquire below synchronizes with each
             # releasing program (PTX memory model, release patterns / release sequences).
             if best > 0:
-                tl.atomic_max(ws + i_b, best, sem="relaxed")
-                ticket = tl.atomic_add(ws + B + i_b, 1, sem="release")
+                tl.atomic_max(w_max, best, sem="relaxed")
+                ticket = tl.atomic_add(w_t1, 1, sem="release")
             else:
-                ticket = tl.atomic_add(ws + B + i_b, 1, sem="relaxed")
+                ticket = tl.atomic_add(w_t1, 1, sem="relaxed")
         elif FENCE:
             if best > 0:  # most programs of a quoting history find nothing: spare the contended word
-                tl.atomic_max(ws + i_b, best, sem="relaxed")
-            ticket = tl.atomic_add(ws + B + i_b, 1, sem="acq_rel")  # release orders the max above
+                tl.atomic_max(w_max, best, sem="relaxed")
+            ticket = tl.atomic_add(w_t1, 1, sem="acq_rel")  # release orders the max above
         else:
             # No fence (MEMBAR.GPU + L1 invalidate): the max returns once it is performed at L2 and
             # the ticket's operand depends on its result, so the ticket is issued after it; the
             # finisher's volatile load goes to L2.  Hardware order, not the PTX model's (NOTES.md).
             dep = best * 0
             if best > 0:
-                dep = tl.atomic_max(ws + i_b, best, sem="relaxed") >> 31  # 0: scores are >= 0
-            ticket = tl.atomic_add(ws + B + i_b, 1 + dep, sem="relaxed")
-        if ticket == n_act - 1:
+                dep = tl.atomic_max(w_max, best, sem="relaxed") >> 31  # 0: scores are >= 0
+            ticket = tl.atomic_add(w_t1, 1 + dep, sem="relaxed")
+        n_fin = n_act
+        if TICKETS:
+            tl.static_assert((SPREAD == 1) & (TICKETS <= 15) & ((FENCE == 1) | (FENCE == 4)), "TICKETS: SPREAD, FENCE 1/4")
+            done = ticket == (n_act - 1 - i_p % TICKETS) // TICKETS  # the group's last member
+            ticket = ticket * 0 - 1
+            if done:
+                tl.store(w_t1, 0)  # no other program touches the group word again in this launch
+                # acq_rel: it acquired every member's release on the group word; passes them on
+                ticket = tl.atomic_add(w_tk, 1, sem="acq_rel")
+            n_fin = tl.minimum(n_act, TICKETS)
+        if ticket == n_fin - 1:
             # Last program of the request: every max is visible (acquire); plain loads/stores
             # suffice, no other program touches the two words again in this launch.
             if FENCE == 3:
                 # acquire as an RMW of 0 on the ticket word (reads the end of every release
                 # sequence; ptxas emits an acquire load: LDG.STRONG.GPU + CCTL.IVALL)
-                dep = tl.atomic_add(ws + B + i_b, 0, sem="acquire") >> 31  # 0; keeps the RMW
-                best = tl.load(ws + i_b + dep, volatile=True)
+                dep = tl.atomic_add(w_tk, 0, sem="acquire") >> 31  # 0; keeps the RMW
+                best = tl.load(w_max + dep, volatile=True)
             else:
-                best = tl.load(ws + i_b, volatile=True)
-            tl.store(ws + i_b, 0)
-            tl.store(ws + B + i_b, 0)
+                best = tl.load(w_max, volatile=True)
+            tl.store(w_max, 0)
+            tl.store(w_tk, 0)
             start = best & ((1 << POS_BITS) - 1)  # e + 1 of the winning end position
             nv = tl.where(best > 0, tl.minimum(L - start, K_DRAFT), 0)
             o_d = tl.arange(0, KP)
@@ -322,24 +394,33 @@ def lookup_scan_fwd(
         raise ValueError(f"history capacity {token_ids.shape[1]} exceeds the packed score (< 2**{POS_BITS})")
     B = token_ids.shape[0] if req_indices is None else req_indices.shape[0]
     dev = token_ids.device
+    S = token_ids.shape[1]
+    nv, g, nw, cap, fence, order = config or default_config(B, S)
+    kw = {**(default_opts(B, S) if config is None else {}), **(opts or {})}
+    need = workspace_numel(B) if kw.get("SPREAD") else 2 * B
     if workspace is None:
-        workspace = torch.zeros(2 * B, dtype=torch.int64, device=dev)
-    elif workspace.shape != (2 * B,) or workspace.dtype != torch.int64 or not workspace.is_contiguous():
-        raise ValueError(f"workspace must be contiguous int64 [{2 * B}] zeros, got {workspace.dtype} {tuple(workspace.shape)}")
+        workspace = torch.zeros(need, dtype=torch.int64, device=dev)
+    elif workspace.dim() != 1 or workspace.numel() < need or workspace.dtype != torch.int64 or not workspace.is_contiguous():
+        raise ValueError(f"workspace must be contiguous int64 [workspace_numel(B) = {workspace_numel(B)}] zeros, "
+                         f"got {workspace.dtype} {tuple(workspace.shape)}")
     drafts, num_valid = out if out is not None else (
         torch.empty(B, num_draft, dtype=torch.int64, device=dev),
         torch.empty(B, dtype=torch.int32, device=dev),
     )
-    S = token_ids.shape[1]
-    nv, g, nw, cap, fence, order = config or default_config(B, S)
     block = block_tokens((nv, g, nw))
     P = programs_per_request or max(1, min(triton.cdiv(S, block), max(8, cap // max(B, 1))))
-    lookup_scan_kernel[(P, B)](
+    # COVER=1 asks for the loop-free kernel; it is only right when the grid covers every end
+    # position of the buffer (seq_lens <= S): n_tiles = cdiv(L - 1, BLOCK) <= P.
+    kw["COVER"] = int(bool(kw.get("COVER")) and P * block >= S - 1)
+    maxnreg = kw.pop("MAXNREG", None)
+    LAST_KERNEL[0] = lookup_scan_kernel[(P, B)](
         token_ids, token_ids.stride(0), req_indices if req_indices is not None else seq_lens, seq_lens,
         drafts, num_valid, workspace.view(torch.int32), S, P, B,
         MIN_N=min_n, MAX_N=max_n, K_DRAFT=num_draft, KP=triton.next_power_of_2(num_draft),
         ROWS=32 * nw * g, NV=nv, HV=triton.cdiv(max_n - 1, 4), HAS_REQ_IDX=req_indices is not None,
-        POS_BITS=POS_BITS, FENCE=bool(fence), ORDER=bool(order), num_warps=nw,
-        **{"FAST": FAST, **(opts or {})},
+        # int, not bool: FENCE 3 / 4 are protocols of their own (bool() made them FENCE 1 before 2026-11-30)
+        POS_BITS=POS_BITS, FENCE=int(fence), ORDER=int(bool(order)), num_warps=nw,
+        **({"maxnreg": int(maxnreg)} if maxnreg else {}),
+        **kw,
     )
     return drafts, num_valid

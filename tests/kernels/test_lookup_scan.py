@@ -13,7 +13,7 @@ if not CUDA:  # must precede the first @triton.jit decoration
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels.lookup_scan import lookup_scan, naive_lookup_scan  # noqa: E402
+from kernels.lookup_scan import lookup_scan, naive_lookup_scan, workspace_numel  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 DEVICE = "cuda" if CUDA else "cpu"
@@ -103,30 +103,38 @@ def test_ties_most_recent_wins_and_clipping():
 def test_req_indices_and_workspace_reuse():
     tok = repetitive(4, 2000, 1000, seed=5)
     lens = torch.tensor([2000, 1500, 1800, 700], dtype=torch.int32)
-    ws = torch.zeros(6, dtype=torch.int64, device=DEVICE)
+    ws = torch.zeros(workspace_numel(3), dtype=torch.int64, device=DEVICE)
     rows = torch.tensor([3, 0, 2], device=DEVICE)
     for min_n, max_n in [(6, 12), (5, 5)]:
         check(tok, lens, min_n, max_n, 5, req_indices=rows, workspace=ws, programs_per_request=2)
         assert not ws.any(), "the kernel must leave the workspace zeroed"
 
 
-@pytest.mark.parametrize("config,programs", [((1, 1, 1, 64, 1, 0), 3), ((2, 1, 1, 64, 0, 1), 10), ((1, 2, 1, 64, 1, 0), 2),
-                                             ((2, 1, 1, 64, 3, 0), 10), ((2, 1, 1, 64, 4, 1), 10)],
-                         ids=["loop", "idle-nofence-order", "G2", "idle-acquire-load", "idle-acquire-tickets"])
-def test_configs_block_loop_and_idle_programs(config, programs):
+@pytest.mark.parametrize("config,programs,opts", [
+    ((1, 1, 1, 64, 1, 0), 3, None), ((2, 1, 1, 64, 0, 1), 10, None), ((1, 2, 1, 64, 1, 0), 2, None),
+    ((2, 1, 1, 64, 3, 0), 10, None), ((2, 1, 1, 64, 4, 1), 10, None),
+    ((2, 1, 1, 64, 4, 0), 6, {"SPREAD": 1, "COVER": 1, "EDGE_ONLY": 1}),
+    ((1, 1, 1, 64, 4, 0), 3, {"SPREAD": 1, "COVER": 1, "FAST": 1, "MAXNREG": 64}),
+    ((2, 1, 1, 64, 1, 0), 10, {"SPREAD": 1, "TICKETS": 3}),
+], ids=["loop", "idle-nofence-order", "G2", "idle-acquire-load", "idle-acquire-tickets", "spread-cover-edge1",
+        "spread-fast-loop", "two-level-tickets"])
+def test_configs_block_loop_and_idle_programs(config, programs, opts):
     """Tile configs (NV, G, warps, cap, fence, order): P=3 loops over tiles past the program cap; P=10
     leaves programs with no tile (no ticket; the finisher counts only the active ones) on the short
     rows, with the fence-free fold and the barrier-ordered loads; G=2 gives each thread two rows; FENCE
-    3/4 release only from programs that wrote a max."""
-    from kernels.lookup_scan.triton import lookup_scan_fwd
+    3/4 release only from programs that wrote a max.  Switches: SPREAD (a workspace line per
+    request), COVER (loop-free kernel: the 6 x 256 grid covers the buffer; ignored where P=3 does
+    not), EDGE_ONLY (one scoring copy), FAST (row-local keys) under a register cap, TICKETS (two-level
+    tickets: 3 group words; the short rows have fewer active programs than groups)."""
+    from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
 
     tok = torch.cat([repetitive(2, 1500, 300, seed=9), torch.randint(0, 4, (2, 1500), dtype=torch.int32)])
     lens = torch.tensor([1500, 700, 1400, 2], dtype=torch.int32)
-    ws = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+    ws = torch.zeros(workspace_numel(4), dtype=torch.int64, device=DEVICE)
     for min_n, max_n in [(2, 9), (4, 4)]:
         out = (torch.full((4, 5), -7, dtype=torch.int64, device=DEVICE),
                torch.full((4,), -7, dtype=torch.int32, device=DEVICE))
-        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 5, None, ws, out, programs, config)
+        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 5, None, ws, out, programs, config, opts)
         dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 5)
         assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
         assert not ws.any()
@@ -135,46 +143,67 @@ def test_configs_block_loop_and_idle_programs(config, programs):
 def test_rule_tiers():
     """The launcher's config follows B * S through RULE's tiers (bench rows: 8K/32K B1 -> 128-token
     one-warp tiles; 8K B8, 100K B1 -> 256-token; 256K B1, 32K/100K B8 -> 1024-token ORDER=1;
-    256K B8 -> 2048-token)."""
-    from kernels.lookup_scan.triton import CONFIG_LARGE, RULE, default_config
+    256K B8 -> 2048-token); FENCE and the kernel switches come from the DEFAULT candidate."""
+    from kernels.lookup_scan.triton import CANDIDATES, CONFIG_LARGE, DEFAULT, RULE, default_config, default_opts
 
+    fence, per_tier = CANDIDATES[DEFAULT]
+    tiers = [(*c[:4], fence, c[5]) for c in (*[c for _, c in RULE], CONFIG_LARGE)]
     picks = {(B, S): default_config(B, S) for B in (1, 8) for S in (8192, 32768, 100_000, 262_144)}
-    assert picks[1, 8192] == picks[1, 32768] == RULE[0][1]
-    assert picks[8, 8192] == picks[1, 100_000] == RULE[1][1]
-    assert picks[1, 262_144] == picks[8, 32768] == picks[8, 100_000] == RULE[2][1]
-    assert picks[8, 262_144] == CONFIG_LARGE
-    assert default_config(3, 2500) == RULE[0][1] and default_config(64, 1 << 20) == CONFIG_LARGE
+    assert picks[1, 8192] == picks[1, 32768] == tiers[0]
+    assert picks[8, 8192] == picks[1, 100_000] == tiers[1]
+    assert picks[1, 262_144] == picks[8, 32768] == picks[8, 100_000] == tiers[2]
+    assert picks[8, 262_144] == tiers[3]
+    assert default_config(3, 2500) == tiers[0] and default_config(64, 1 << 20) == tiers[3]
+    assert default_opts(1, 100_000).items() >= per_tier[1].items()
+    assert default_opts(8, 262_144).items() >= per_tier[3].items()
 
 
+@pytest.mark.parametrize("cand", ["cur", "c3"])
 @pytest.mark.parametrize("tier", range(4), ids=["w1-128", "w1-256", "w4-1024-order", "w4-2048"])
-def test_rule_configs(tier):
+def test_rule_configs(tier, cand):
     """Each config the rule can pick, with the launcher's own grid (P from the cap): mixed lengths,
-    a row shorter than the suffix, vocab-4 rows (every tile passes the hit test)."""
-    from kernels.lookup_scan.triton import CONFIG_LARGE, RULE, block_tokens, lookup_scan_fwd
+    a row shorter than the suffix, vocab-4 rows (every tile passes the hit test); with the kernel
+    switches of the candidate launcher defaults (c3: FENCE 4, SPREAD, COVER, TICKETS, EDGE_ONLY / FAST)."""
+    from kernels.lookup_scan.triton import CANDIDATES, CONFIG_LARGE, RULE, block_tokens, lookup_scan_fwd, workspace_numel
 
-    config = (*[c for _, c in RULE], CONFIG_LARGE)[tier]
+    fence, per_tier = CANDIDATES[cand]
+    base = (*[c for _, c in RULE], CONFIG_LARGE)[tier]
+    config, opts = (*base[:4], fence, base[5]), per_tier[tier]
     S = 2 * block_tokens(config) + 301  # interior and edge tiles; few programs (the interpreter's cost)
     tok = torch.cat([repetitive(2, S, 300, seed=11), torch.randint(0, 4, (2, S), dtype=torch.int32)])
     lens = torch.tensor([S, S - 223, 3, S - 1], dtype=torch.int32)
-    ws = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+    ws = torch.zeros(workspace_numel(4), dtype=torch.int64, device=DEVICE)
     for min_n, max_n in [(6, 12), (5, 5)]:
         out = (torch.full((4, 7), -7, dtype=torch.int64, device=DEVICE),
                torch.full((4,), -7, dtype=torch.int32, device=DEVICE))
-        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, config)
+        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, config, opts)
         dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 7)
         assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
         assert not ws.any()
 
 
 @pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
+@pytest.mark.parametrize("cand", ["default", "c1", "c2", "c3"])
 @pytest.mark.parametrize("S", [8192, 100_000, 262_144])
 @pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
-def test_real_lengths_gpu(S, min_n, max_n):
+def test_real_lengths_gpu(S, min_n, max_n, cand):
+    """The default launcher, and each candidate default (triton.CANDIDATES) at the same rows."""
+    from kernels.lookup_scan.triton import candidate, lookup_scan_fwd, workspace_numel
+
     tok = torch.cat([repetitive(4, S, 150_000, seed=S), torch.randint(0, 8, (4, S), dtype=torch.int32)])
     lens = torch.tensor([S, S - 1, S // 2 + 3, 1000, S, S - 5, 77, S // 3], dtype=torch.int32)
-    ws = torch.zeros(16, dtype=torch.int64, device=DEVICE)
+    ws = torch.zeros(workspace_numel(8), dtype=torch.int64, device=DEVICE)
+    dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 7)
     for _ in range(2):
-        check(tok, lens, min_n, max_n, 7, workspace=ws)
+        if cand == "default":
+            check(tok, lens, min_n, max_n, 7, workspace=ws)
+            continue
+        config, opts = candidate(cand, 8, S)
+        out = (torch.full((8, 7), -7, dtype=torch.int64, device=DEVICE),
+               torch.full((8,), -7, dtype=torch.int32, device=DEVICE))
+        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, config, opts)
+        assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr), cand
+        assert not ws.any()
 
 
 @pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
@@ -183,13 +212,13 @@ def test_candidate_configs_gpu(min_n, max_n):
     """Every config the per-(B, S) rule may pick (bench.SWEEP), at an odd capacity with mixed
     lengths: idle programs, edge tiles, loops past the cap for the big tiles' neighbours."""
     from kernels.lookup_scan.bench import SWEEP, TEST_S
-    from kernels.lookup_scan.triton import lookup_scan_fwd
+    from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
 
     S = TEST_S
     tok = torch.cat([repetitive(4, S, 150_000, seed=S), torch.randint(0, 8, (4, S), dtype=torch.int32)])
     lens = torch.tensor([S, S - 1, S // 2 + 3, 1000, S, S - 5, 77, S // 3], dtype=torch.int32)
     dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 7)
-    ws = torch.zeros(16, dtype=torch.int64, device=DEVICE)
+    ws = torch.zeros(workspace_numel(8), dtype=torch.int64, device=DEVICE)
     for config in SWEEP:
         out = (torch.full((8, 7), -7, dtype=torch.int64, device=DEVICE),
                torch.full((8,), -7, dtype=torch.int32, device=DEVICE))
