@@ -17,8 +17,9 @@ histories: almost all) stop after one compare per position.
 Programs fold their tile maxima into a per-request int32 with a relaxed ``atomic_max``; the last
 program of a request (an acq_rel ``atomic_add`` ticket, which also orders the max) reads the result,
 resets the two words and gathers the draft, so one graph-capturable launch does the whole lookup.
-The workspace is the caller's int64 [2 * B] zeros, used as int32 words.  Past the program cap a
-program loops over further tiles (loaded after the length is known).
+The workspace is the caller's int64 [workspace_numel(B)] zeros, used as int32 words (SPREAD: one
+128-byte line per request).  Past the program cap a program loops over further tiles (loaded after
+the length is known); COVER compiles that loop out where the grid covers the buffer.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ POS_BITS = 26
 # length is known, so cap * tile tokens bound what a launch reads of a buffer whose rows are mostly
 # empty.  FENCE: the fold protocol, 1 = acq_rel tickets (the rule), 0 = hardware order (outside the
 # PTX model, not a candidate), 3 / 4 = release only from programs that wrote a max (kernel comments).
+# RULE's FENCE field is b80dba5's; the launched FENCE is CANDIDATES[DEFAULT]'s (default_config).
 Config = tuple[int, int, int, int, int, int]
 
 # The launcher's rule: tiers by work W = B * S (both fixed when a graph is captured, so the choice
@@ -60,10 +62,8 @@ RULE: tuple[tuple[int, Config], ...] = (
 # quoting; the others 0.99x at best; ORDER=1 1.00-1.07x).
 CONFIG_LARGE: Config = (4, 1, 4, 1024, 1, 0)
 # Row-local scoring keys (_tile_scores_fast): identical scores, ~12% fewer warp instructions at
-# 256K B8 n5-5 vocab 8, but 58 -> 91 registers (two waves of the 1024-program grid): off (NOTES.md,
-# "ncu and fold protocols").  FENCE 3 (release only from programs that wrote a max, acquire in
-# the finisher) and 4 (every ticket acquires, no MEMBAR on the no-match path) measured equal to
-# FENCE 1 on all 32 bench rows: the rule keeps FENCE 1.
+# 256K B8 n5-5 vocab 8, but 58 -> 91 registers under Triton 3.6 (two waves of the 1024-program
+# grid); with COVER it compiles to 40 and MAXNREG=64 holds it one wave: candidate c2's last tier.
 FAST = 0
 
 
@@ -84,7 +84,10 @@ def block_tokens(config: tuple[int, ...]) -> int:
 # COVER=1 the loop-free kernel where the grid covers the buffer; EDGE_ONLY=1 one scoring copy (the
 # edge one) instead of two; FAST=1 row-local keys; MAXNREG = ptxas register cap (launch option);
 # TICKETS = T two-level tickets (T group words per request).  "cur" = the rule of b80dba5; c1-c3 =
-# the 2026-11-30 candidates (NOTES.md), benched side by side.
+# the 2026-11-30 candidates.  H200 call of f12ad3c (NOTES.md, rule fixed before the call): c1 wins
+# (32 bench rows vs cur: geometric mean 0.938, worst 1.01x; goal rows a 3.04-3.26 vs 3.16-3.59,
+# b vocab 8 7.73-7.87 vs 8.23-8.44); c2 worst row 1.09x (EDGE_ONLY at 8K B8 n5-5 quote); c3 1.14x
+# (the second ticket trip costs ~0.9 µs).
 _C1 = {"SPREAD": 1, "COVER": 1}
 CANDIDATES: dict[str, tuple[int, tuple[dict[str, int], ...]]] = {
     "cur": (1, ({}, {}, {}, {})),
@@ -93,7 +96,7 @@ CANDIDATES: dict[str, tuple[int, tuple[dict[str, int], ...]]] = {
     "c3": (4, ({**_C1, "EDGE_ONLY": 1, "TICKETS": 15}, {**_C1, "EDGE_ONLY": 1, "TICKETS": 15}, {**_C1, "TICKETS": 8},
                {**_C1, "FAST": 1, "MAXNREG": 64, "TICKETS": 8})),
 }
-DEFAULT = "cur"
+DEFAULT = "c1"
 # The compiled kernel of the last launch (prof.py prints its registers).
 LAST_KERNEL: list = [None]
 
