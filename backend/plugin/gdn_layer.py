@@ -36,7 +36,14 @@ from vllm.utils.torch_utils import (
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
 from backend.plugin.gdn import GdnBatch, route_to_lazy_commit
-from backend.plugin.gdn_lazy import LazyGdnState, TorchGdnKernels, pad_rows, spec_conv_update, unpad_rows
+from backend.plugin.gdn_lazy import (
+    LazyGdnState,
+    TorchGdnKernels,
+    copy_rows,
+    pad_rows,
+    spec_conv_update,
+    unpad_rows,
+)
 
 log = logging.getLogger("hyperharness.plugin.gdn")
 
@@ -145,9 +152,7 @@ class LazyQwenGDN(QwenGatedDeltaNetAttention):
         self.hh_align_copies += int(base_blocks.numel())
         if self.hh_state is None or not self.hh_state.matches(pool):
             # No lazy step on this pool: every state is materialised, copy as vLLM would.
-            rows = (src_blocks != dst_blocks).nonzero().flatten()
-            if rows.numel():
-                pool.index_copy_(0, dst_blocks[rows], pool.index_select(0, src_blocks[rows]))
+            copy_rows(pool, dst_blocks, src_blocks, src_blocks != dst_blocks)
             return
         self.hh_state.align_copy(base_blocks, src_blocks, dst_blocks, token_bias, self.A_log, self.dt_bias)
 

@@ -20,7 +20,7 @@ batch, a prefill, a state copy).  The log is double buffered: a step reads half 
 writes half ``1 - parity``, then flips ``parity`` (one per layer).  A row that sat out a step
 (token budget) finds its log in the other half; it is committed first and replays nothing.
 
-Everything stays on the device with no host sync except `_copy_rows`, which copies whole states
+Everything stays on the device with no host sync except `copy_rows`, which copies whole states
 only for rows coming from vLLM form with num_accepted > 1 (after a mixed batch ran vLLM's path).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import kernels.gdn_verify as triton_kernels
 from kernels.gdn_verify import gdn_log_empty, log_layout, log_view_f32
 from kernels.gdn_verify.reference import gdn_gates
 
-__all__ = ["LazyGdnState", "TorchGdnKernels", "pad_rows", "spec_conv_update", "unpad_rows"]
+__all__ = ["LazyGdnState", "TorchGdnKernels", "copy_rows", "pad_rows", "spec_conv_update", "unpad_rows"]
 
 
 class TorchGdnKernels:
@@ -169,7 +169,7 @@ class TorchGdnKernels:
         return o
 
 
-def _copy_rows(pool: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, mask: torch.Tensor) -> None:
+def copy_rows(pool: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, mask: torch.Tensor) -> None:
     """pool[dst[i]] = pool[src[i]] where mask[i] (distinct dst slots)."""
     if pool.is_cuda and torch.cuda.is_current_stream_capturing():
         # No host sync under a CUDA graph: a dense self-copy for the rows left out.
@@ -252,7 +252,7 @@ class LazyGdnState:
         acc = num_accepted.to(torch.int64).clamp(min=1)
         self._commit_in_place(col0, acc, lazy, A_log, dt_bias)
         target = spec_indices.gather(1, (acc - 1).unsqueeze(1)).squeeze(1)
-        _copy_rows(self.pool, target.long(), col0.long(), lazy & (acc > 1))
+        copy_rows(self.pool, target.long(), col0.long(), lazy & (acc > 1))
         self.lazy[flags] = False
 
     def align_copy(self, base: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
@@ -274,7 +274,7 @@ class LazyGdnState:
             return
         flags = self._flag_index(base)
         lazy = self.lazy[flags] & (base >= 0)
-        _copy_rows(self.pool, dst.long(), src.long(), ~lazy & (src != dst))
+        copy_rows(self.pool, dst.long(), src.long(), ~lazy & (src != dst))
         keep = (lazy & (dst != base)).nonzero().flatten()
         saved = self.pool.index_select(0, base[keep].long())
         self._commit_in_place(base, token_bias.to(torch.int64) + 1, lazy, A_log, dt_bias)
@@ -336,7 +336,7 @@ class LazyGdnState:
         # Rows in vLLM form with num_accepted > 1 (vLLM's path ran last step): move the
         # materialised state into column 0.
         src = spec_indices.gather(1, (acc - 1).unsqueeze(1)).squeeze(1)
-        _copy_rows(self.pool, col0.long(), src.long(), live & ~lazy & (acc > 1))
+        copy_rows(self.pool, col0.long(), src.long(), live & ~lazy & (acc > 1))
         num_replay = torch.where(lazy & ~stale, acc, torch.zeros_like(acc)).to(torch.int32)
         o = self.k.fused_recurrent_gdn_verify(
             q, k, v, a, b, A_log, dt_bias, self.pool, col0.to(torch.int32).contiguous(), self.log,
