@@ -1,7 +1,7 @@
 """Benchmark: split-KV verify attention vs vLLM 0.32.0's unified_attention vs torch SDPA (H200).
 
     python -m kernels.verify_attention.bench [--sweep] [--json PATH] [--quick] [--triton] [--no-vllm]
-        [--no-sdpa] [--no-mma] [--fixed-cost] [--before-dir DIR] [--node-costs]
+        [--no-sdpa] [--no-mma] [--fixed-cost] [--before-dir DIR] [--node-costs[-only]]
 
 Measures the device's copy bandwidth first, then times every provider with CUDA-graph replay
 and a cold L2 (a 256 MiB buffer is read before every replay), median of the replays.
@@ -555,20 +555,24 @@ def fixed_cost(
     torch.cuda.empty_cache()
 
 
-def node_costs(flush: torch.Tensor, bw: float, results: list) -> None:
-    """Issue 6: what the combine's graph node costs at 100K b1 (T=1, T=8), per pool size.
+def node_costs(flush: torch.Tensor, bw: float, results: list, before_mod: Any = None) -> None:
+    """Issue 6: the fixed cost at 100K b1 (T=1, T=8) per pool size, in one process.
 
-    One process, one flush method: the shipped default (split + combine kernel), the split kernel
-    alone (``combine=False``), the split kernel + an empty kernel node, an empty node alone; the
-    problem's blocks drawn at random from pools of 100K and 400K tokens (--fixed-cost uses 400K,
-    the main table 800K). Session 3 (NOTES.md) measured the default 3.2 µs over the split alone
-    with the 100K pool, where earlier --fixed-cost runs (400K pool) gave ~9 µs."""
+    Per pool (the problem's blocks drawn at random from pools of 100K and 800K tokens; the main
+    table uses 800K): the shipped default (split + combine kernel), ``before`` (--before-dir),
+    the split kernel alone (``combine=False``), split + an empty kernel node, an empty node
+    alone, the session-5 candidates (fp16 partials, the fused merge), and the read-only ceiling
+    probe (ceiling.py: same grid, bytes and block table; and on a contiguous block table).
+    Session 3 (NOTES.md) measured the default 3.2 µs over the split alone on a 100K pool, where
+    earlier runs on 400K / 800K pools gave ~9 µs."""
+    from kernels.verify_attention.ceiling import probe
+
     empty = torch.cuda._compile_kernel('extern "C" __global__ void va_empty() {}', "va_empty")
 
     def node() -> None:
         empty(grid=(1, 1, 1), block=(32, 1, 1), args=[])
 
-    for tokens in (100_000, 4 * 100_000):
+    for tokens in (100_000, 8 * 100_000):
         pool = make_pool(tokens + 64, 16, HKV, D)
         for t in (1, 8):
             prob = Problem(pool, 1, 100_000, t, HQ)
@@ -578,14 +582,37 @@ def node_costs(flush: torch.Tensor, bw: float, results: list) -> None:
                 split()
                 node()
 
-            variants = {"default": prob.ours(), "split only": split, "split + empty node": split_node,
-                        "empty node": node}  # fmt: skip
-            us = {name: time_graph(fn, flush) for name, fn in variants.items()}
+            nblk = prob.block_table.shape[1]
+            flat = torch.arange(nblk, dtype=torch.int32, device="cuda").view(1, nblk)
+            variants: dict[str, Callable[[], object]] = {"default": prob.ours()}
+            if before_mod is not None:
+                variants["before"] = before_default(prob, before_mod)
+            variants.update({
+                "fp16-partials": prob.cuda_variant(partials="fp16"),
+                "fused": prob.cuda_variant(fuse=True),
+                "split-only": split, "split+empty": split_node, "empty-node": node,
+                "probe": probe(pool.k, prob.block_table, prob.seq_lens, prob.cu_q, t, HQ),
+                "probe-contig": probe(pool.k, flat, prob.seq_lens, prob.cu_q, t, HQ),
+            })  # fmt: skip
             label = f"pool={tokens // 1000}K ctx=100000 T={t} b=1"
-            for name, v in us.items():
-                results.append(row(f"{label} {name}", v, prob.int8_bytes, bw, None, float("nan")))
-            print(f"{label}: " + ", ".join(f"{k} {v:.1f}" for k, v in us.items())
-                  + f"; default - split only {us['default'] - us['split only']:.1f} us", flush=True)  # fmt: skip
+            us: dict[str, float] = {}
+            for name, fn in variants.items():
+                try:
+                    fn()
+                    err = prob.error() if name in ("default", "before", "fp16-partials", "fused") else float("nan")
+                    us[name] = time_graph(fn, flush)
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    print(f"{label} {name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                    continue
+                prob.out.fill_(float("nan"))
+                r = row(f"{label} {name}", us[name], prob.int8_bytes, bw, None, err)
+                results.append(r)
+                print(fmt(r), flush=True)
+            ref = us.get("before", us.get("default", 1.0))
+            print(f"  {label}: " + ", ".join(
+                f"{k} {v:.1f} ({100 * prob.int8_bytes / v / 1e3 / bw:.1f}%, before/x {ref / v:.2f})"
+                for k, v in us.items()
+            ) + f"; default - split-only {us.get('default', 0) - us.get('split-only', 0):.1f} us", flush=True)  # fmt: skip
             del prob
         del pool
         torch.cuda.empty_cache()
@@ -617,7 +644,8 @@ def main() -> None:
     ap.add_argument("--fixed-cost", action="store_true", help="scheduling/combine variants at 100K")
     ap.add_argument("--fixed-cost-only", action="store_true", help="stop after --fixed-cost")
     ap.add_argument("--node-costs", action="store_true",
-                    help="the combine node's cost per pool size (100K b1, T=1/8), then stop")  # fmt: skip
+                    help="fixed cost per pool size (100K b1, T=1/8): nodes, candidates, ceiling probe")
+    ap.add_argument("--node-costs-only", action="store_true", help="stop after --node-costs")  # fmt: skip
     ap.add_argument("--before-src", default=None, help="the .cu of commit 1344eca, timed as 'before-1344eca'")
     ap.add_argument("--before-dir", default=None,
                     help="a folder with the previous commit's cuda/__init__.py and verify_attention.cu: "
@@ -637,12 +665,13 @@ def main() -> None:
     if vllm is None and not args.no_vllm:
         print("vLLM reference files not found: set VLLM_REF_DIR (see module docstring)")
 
-    if args.node_costs:
-        node_costs(flush, bw, results)
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=1))
-        return
     before_mod = load_before(args.before_dir) if args.before_dir else None
+    if args.node_costs or args.node_costs_only:
+        node_costs(flush, bw, results, before_mod)
+        if args.node_costs_only:
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=1))
+            return
     if args.fixed_cost or args.fixed_cost_only:
         before = Path(args.before_src).read_text() if args.before_src else None
         fixed_cost(flush, bw, results, before, before_mod)

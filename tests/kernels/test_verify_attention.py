@@ -196,6 +196,32 @@ def test_cuda_fused_merge_groups(seq_lens, q_lens, hq, hkv, d, page, window, spl
     run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits)
 
 
+# fp16 partials (HH_VERIFY_ATTENTION_PARTIALS=fp16) apply where the combine_w kernel merges
+# (>= 32 splits): the two many-split cases and the 100K batch-1 shapes (66 splits).
+FP16_PARTIAL_CASES = [c for c in CUDA_CASES if c.id in ("empty-splits-S40", "S150-combine-2-batches")] + [
+    c for c in REAL if c.id in ("qwen-B1-T8-100K", "qwen-B1-T1-100K")
+]
+
+
+@gpu_only
+@pytest.mark.parametrize("sched", ["dyn", "static"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), FP16_PARTIAL_CASES)
+def test_cuda_fp16_partials(seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, sched, monkeypatch):
+    """Partial rows stored normalised in fp16: within the tolerance, and no less accurate than
+    the fp32 partials on the same inputs beyond 1e-4 (fp16 rounding ~2^-12 of each row)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the CUDA kernel runs on sm_90")
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_SCHED", sched)
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_FUSE", "0")
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_PARTIALS", "fp16")
+    err16 = run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_PARTIALS", "fp32")
+    err32 = run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
+    assert err16 <= err32 + 1e-4, (err16, err32)
+
+
 PDL_CASES = [c for c in CUDA_CASES if c.id in ("B3-T9,16,1-S3", "D128-w2048", "empty-splits-S40")]
 
 

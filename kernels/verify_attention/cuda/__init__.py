@@ -93,6 +93,18 @@ def default_fuse(n8: int) -> bool:
     return kind == "1"
 
 
+def default_partials() -> str:
+    """HH_VERIFY_ATTENTION_PARTIALS: auto (default), fp32 or fp16: the split kernel's partial rows
+    as fp32 accumulators, or normalised (acc / sum) in fp16 (half the bytes written and read back
+    by the combine; only where verify_attn_combine_w merges: >= 32 splits, not fused).
+
+    auto = fp32 (session 5 measures fp16; NOTES.md)."""
+    kind = os.environ.get("HH_VERIFY_ATTENTION_PARTIALS", "auto").lower()
+    if kind not in ("auto", "fp32", "fp16"):
+        raise ValueError(f"HH_VERIFY_ATTENTION_PARTIALS={kind!r}: auto, fp32 or fp16")
+    return "fp32" if kind == "auto" else kind
+
+
 def merge_group_for(num_splits: int) -> int:
     """Splits per first-level merge group of the fused merge (HH_VERIFY_ATTENTION_MERGE_GROUP,
     default ceil(sqrt(splits))): the last CTA to finish reads at most GS + ceil(S / GS) partials,
@@ -102,11 +114,12 @@ def merge_group_for(num_splits: int) -> int:
 
 
 def merge_fits(d: int, n8: int, stages: int, num_splits: int, gs: int) -> bool:
-    """One row of the fused merge (n = GS or NG partials of D fp32 + (max, sum), and 1 / sum) fits
-    in its shared scratch: the ring, Q and P of verify_attn_split_wg (SCRATCH in the .cu)."""
+    """One row of the fused merge (n = GS or NG partials of D fp32 + (weight, sum), 1 / sum and
+    two int64 row bases) fits in its shared scratch: the ring, Q and P of verify_attn_split_wg
+    (SCRATCH in the .cu)."""
     rows = 8 * n8
     n = max(min(gs, num_splits), -(-num_splits // gs))
-    return n * (4 * d + 8) + 4 <= stages * BN * (2 * d + 16) + rows * 2 * d + rows * 2 * BN
+    return n * (4 * d + 8) + 20 <= stages * BN * (2 * d + 16) + rows * 2 * d + rows * 2 * BN
 
 
 @functools.lru_cache(maxsize=None)
@@ -152,13 +165,14 @@ def precompile(jobs: list[tuple], workers: int = 16) -> int:
 
 
 def split_variant(
-    d: int, n8: int, bf16: bool, sched: str, stages: int | None = None, fuse: bool = False
+    d: int, n8: int, bf16: bool, sched: str, stages: int | None = None, fuse: bool = False,
+    ph: bool = False,
 ) -> tuple[str, int]:
     """(kernel name, dynamic shared memory) of the wgmma split kernel for these parameters
-    (``fuse``: the variant with the fused merge compiled in)."""
+    (``fuse``: the variant with the fused merge compiled in; ``ph``: fp16 normalised partials)."""
     stages = stages or pick_stages(d, n8, smem_bytes_wg)
     dyn = "true" if sched == "dyn" else "false"
-    tail = ", true" if fuse else ""
+    tail = ", false, true" if ph else ", true" if fuse else ""
     name = f"verify_attn_split_wg<{d}, {n8}, {stages}, {'true' if bf16 else 'false'}, {dyn}{tail}>"
     return name, smem_bytes_wg(d, n8, stages)
 
@@ -326,6 +340,7 @@ def verify_attention_cuda(
     trace: torch.Tensor | None = None,
     fuse: bool | None = None,
     merge_group: int | None = None,
+    partials: str | None = None,
 ) -> torch.Tensor:
     """Launch; the contract is ``kernels.verify_attention.verify_attention``'s (window = W or 0).
 
@@ -335,7 +350,8 @@ def verify_attention_cuda(
     ``default_sched(n8)``), ``pdl`` launches the combine with programmatic dependent launch (None:
     ``default_pdl()``), ``trace`` an int64 [CTAs, 8] tensor for per-CTA %globaltimer stamps,
     ``fuse`` merges the partials inside the split kernel (None: ``default_fuse(n8)``) in groups
-    of ``merge_group`` splits (None: ``merge_group_for``)."""
+    of ``merge_group`` splits (None: ``merge_group_for``); ``partials`` "fp32" / "fp16" (None:
+    ``default_partials()``; fp16 only where the combine_w kernel merges)."""
     num_tokens, num_q_heads, d = q.shape
     num_seqs = seqused_k.shape[0]
     hkv = k.shape[2]
@@ -357,13 +373,17 @@ def verify_attention_cuda(
         if fuse and combine and num_splits > 1:
             gs = merge_group or merge_group_for(num_splits)
             gs = gs if merge_fits(d, n8, stages, num_splits, gs) else 0
-        split_kernel = _compiled(*split_variant(d, n8, bf16 == "true", sched, stages, fuse=gs > 0))
+        # fp16 partials only where verify_attn_combine_w (>= 32 splits) merges them.
+        ph = not gs and combine and num_splits >= 32 and (partials or default_partials()) == "fp16"
+        split_kernel = _compiled(*split_variant(d, n8, bf16 == "true", sched, stages, fuse=gs > 0, ph=ph))
     else:
         stages = stages or pick_stages(d, mt)
         smem = smem_bytes(d, mt, stages)
         split_kernel = _compiled(f"verify_attn_split<{d}, {mt}, {n8}, {stages}, {bf16}>", smem)
+        ph = False
     if num_splits > 1:
-        part_acc = torch.empty(num_tokens, num_q_heads, num_splits, d, dtype=torch.float32, device=q.device)
+        pdt = torch.float16 if ph else torch.float32
+        part_acc = torch.empty(num_tokens, num_q_heads, num_splits, d, dtype=pdt, device=q.device)
         part_ml = torch.empty(num_tokens, num_q_heads, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
@@ -390,7 +410,7 @@ def verify_attention_cuda(
         # verify_attn_combine_w (one warp per row x 8 dims, lane = split) from 32 splits; below
         # that most of its lanes idle (H200, drafter w=2048 T=8 b4: 30.8 vs 25.5 µs; NOTES.md).
         if wgmma and num_splits >= 32:
-            combine = _compiled(f"verify_attn_combine_w<{d}, {bf16}>", 0)
+            combine = _compiled(f"verify_attn_combine_w<{d}, {bf16}{', true' if ph else ''}>", 0)
             grid, block = (math.ceil(rows * (d // 8) / 4), 1, 1), (128, 1, 1)
             args = [out, part_acc, part_ml, int(num_splits), num_q_heads, out.stride(0), out.stride(1), rows]
         else:  # ea506d7's combine (the mma.sync kernel always)

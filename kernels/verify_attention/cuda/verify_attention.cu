@@ -688,7 +688,9 @@ __global__ void __launch_bounds__(256) verify_attn_combine(
 // at 100K T=1 b1 (H200, NOTES.md). Here every lane issues all loads of its splits (up to 4 per
 // batch: 32 bytes of acc + m, l each) before using any, so a call is ~one L2 round trip, and the
 // max, the sum and the accumulator are reduced with warp shuffles: no shared memory, no barrier.
-template <int D, bool BF16>
+// PH: the partial rows are normalised fp16 (verify_attn_split_wg<..., PH = true>): one 16-byte
+// load per split and lane, weight w x l instead of w.
+template <int D, bool BF16, bool PH = false>
 __global__ void __launch_bounds__(128) verify_attn_combine_w(
     unsigned short* __restrict__ out,     // [N, Hq, D]
     const float* __restrict__ part_acc,   // [N, Hq, S, D]
@@ -717,8 +719,17 @@ __global__ void __launch_bounds__(128) verify_attn_combine_w(
       if (s < num_splits) {
         const float2 t = *reinterpret_cast<const float2*>(ml + 2 * s);
         m[i] = t.x, l[i] = t.y;
-        v[i][0] = *reinterpret_cast<const float4*>(pa + (i64)s * D);
-        v[i][1] = *reinterpret_cast<const float4*>(pa + (i64)s * D + 4);
+        if constexpr (PH) {
+          const uint4 hv = *reinterpret_cast<const uint4*>(
+              reinterpret_cast<const unsigned short*>(part_acc) + ((i64)rowi * num_splits + s) * D + 8 * ch);
+          v[i][0] = make_float4(to_f32<false>(hv.x & 0xffffu), to_f32<false>(hv.x >> 16),
+                                to_f32<false>(hv.y & 0xffffu), to_f32<false>(hv.y >> 16));
+          v[i][1] = make_float4(to_f32<false>(hv.z & 0xffffu), to_f32<false>(hv.z >> 16),
+                                to_f32<false>(hv.w & 0xffffu), to_f32<false>(hv.w >> 16));
+        } else {
+          v[i][0] = *reinterpret_cast<const float4*>(pa + (i64)s * D);
+          v[i][1] = *reinterpret_cast<const float4*>(pa + (i64)s * D + 4);
+        }
       }
     }
     float bm = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
@@ -733,8 +744,9 @@ __global__ void __launch_bounds__(128) verify_attn_combine_w(
     mmax = mn;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float w = m[i] == NEG_INF ? 0.f : ex2(m[i] - mmax);
+      float w = m[i] == NEG_INF ? 0.f : ex2(m[i] - mmax);
       den += w * l[i];
+      if constexpr (PH) w *= l[i];  // the row was stored divided by its sum
       const float vv[8] = {v[i][0].x, v[i][0].y, v[i][0].z, v[i][0].w,
                            v[i][1].x, v[i][1].y, v[i][1].z, v[i][1].w};
 #pragma unroll
@@ -904,41 +916,56 @@ DI float2 ldcg2(const float* p) {
 // cp.async through L2 (they do not depend on the weights, so all are in flight at once) while
 // each warp takes a row's (max, sum) pairs with ld.cg, lane = split, and reduces them with
 // shuffles; then the sums come from shared memory, 8 splits per batch of loads.
-// (Two earlier versions: register loads 16 in flight per thread; cp.async staging with one thread
-// per row walking the splits. All three timed alike on the H200: NOTES.md.) Not inlined: inlined,
-// a merge cost the 48-row kernel spills (ptxas 13.0).
+// Index arithmetic (session 5): ncu of the earlier version (session 3) found ~2.9K instructions
+// per warp and merge at T=1, mostly the signed divisions by the run-time n and G in the copy
+// loop and row_base; each merge level cost ~5 µs of dependent integer chains. Now every thread
+// keeps one 16-byte column d4 = tid % (D / 4) (a compile-time modulus), the row bases (partial
+// index and output offset) are computed once per chunk by one thread per row into shared memory,
+// and the loops walk rows -> splits with pointer increments: no division inside any loop.
+// Not inlined: inlined, a merge cost the 48-row kernel spills (ptxas 13.0).
 template <int D, bool BF16>
 __device__ __noinline__ void merge_partials(float* part_acc, float* part_ml, int num_splits, int s0,
                                             int ss, int n, int dst, int rows, int G, i64 tok0, int h,
                                             int Hq, unsigned short* out, int stride_o_tok,
                                             int stride_o_head, unsigned char* scratch,
                                             int scratch_bytes, int tid) {
-  constexpr int T = 128, C4 = D / 4, U = 8;  // float4 per row; splits per batch of loads
+  constexpr int T = 128, C4 = D / 4, RP = T / C4, U = 8;  // float4 per row; rows (or splits) per pass
+  static_assert(T % C4 == 0, "one 16-byte column per thread");
   const int warp = tid >> 5, lane = tid & 31;
+  const int d4 = tid % C4, sub = tid / C4;  // compile-time divisor: shift and mask
   const u32 sa = smem_addr(scratch);
   float* const sf = reinterpret_cast<float*>(scratch);
-  const int rpc = max(1, scratch_bytes / (n * (4 * D + 8) + 4));  // rows per chunk (launcher: >= 1)
-  auto row_base = [&](int r) -> i64 {  // partial index of (row r, split 0)
-    const int t = r / G;
-    return ((tok0 + t) * Hq + h * G + (r - t * G)) * num_splits;
-  };
+  // Bytes per row: n partials (D fp32 + weight + sum), 1 / sum, two i64 bases (launcher: fits).
+  const int rpc = max(1, scratch_bytes / (n * (4 * D + 8) + 20));  // rows per chunk, once
   for (int r0 = 0; r0 < rows; r0 += rpc) {
     const int rc = min(rpc, rows - r0);
-    float* const w_s = sf + rc * n * D;  // [rc][n]: max, then weight
-    float* const l_s = w_s + rc * n;     // [rc][n]: sum
-    float* const inv_s = l_s + rc * n;   // [rc]: 1 / merged sum (dst < 0)
-    for (int i = tid; i < rc * n * C4; i += T) {  // acc_s [rc][n][D] = 16-byte unit i
-      const int rj = i / C4, d4 = i - rj * C4;
-      const int r = rj / n, j = rj - r * n;
-      cp_async16(sa + 16 * i,
-                 reinterpret_cast<u64>(part_acc + (row_base(r0 + r) + s0 + j * ss) * D + 4 * d4), 16);
+    i64* const base_s = reinterpret_cast<i64*>(sf + rc * n * D);  // [rc]: partial index of split s0
+    i64* const obase_s = base_s + rc;                                // [rc]: out offset of the row
+    float* const w_s = reinterpret_cast<float*>(obase_s + rc);      // [rc][n]: max, then weight
+    float* const l_s = w_s + rc * n;                                 // [rc][n]: sum
+    float* const inv_s = l_s + rc * n;                               // [rc]: 1 / merged sum
+    if (tid < rc) {  // one division by G per row and chunk
+      const int rr = r0 + tid, t = rr / G, grp = rr - t * G;
+      base_s[tid] = ((tok0 + t) * Hq + h * G + grp) * num_splits + s0;
+      obase_s[tid] = (tok0 + t) * stride_o_tok + (i64)(h * G + grp) * stride_o_head;
+    }
+    __syncthreads();
+    // Copies: acc_s [rc][n][D]; this thread moves column d4 of splits j = sub, sub + RP, ...
+    {
+      const i64 step = (i64)RP * ss * D;  // floats between this thread's consecutive splits
+      for (int r = 0; r < rc; ++r) {
+        const float* src = part_acc + (base_s[r] + (i64)sub * ss) * D + 4 * d4;
+        u32 dsa = sa + 16 * ((r * n + sub) * C4 + d4);
+        for (int j = sub; j < n; j += RP, src += step, dsa += 16 * RP * C4)
+          cp_async16(dsa, reinterpret_cast<u64>(src), 16);
+      }
     }
     cp_async_commit();
     for (int r = warp; r < rc; r += T / 32) {  // weights: warp per row, lane per split
-      const i64 base = row_base(r0 + r) + s0;
+      const i64 base = base_s[r];
       float mx = NEG_INF;
       for (int j = lane; j < n; j += 32) {
-        const float2 ml = ldcg2(part_ml + 2 * (base + j * ss));
+        const float2 ml = ldcg2(part_ml + 2 * (base + (i64)j * ss));
         w_s[r * n + j] = ml.x, l_s[r * n + j] = ml.y;
         mx = fmaxf(mx, ml.x);
       }
@@ -964,8 +991,7 @@ __device__ __noinline__ void merge_partials(float* part_acc, float* part_ml, int
     }
     cp_async_wait<0>();
     __syncthreads();
-    for (int i = tid; i < rc * C4; i += T) {
-      const int r = i / C4, d4 = i - r * C4;
+    for (int r = sub; r < rc; r += RP) {  // column d4 of rows sub, sub + RP, ...
       float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
       const float* const wr = w_s + r * n;
       const float* const ar = sf + r * n * D + 4 * d4;
@@ -982,17 +1008,14 @@ __device__ __noinline__ void merge_partials(float* part_acc, float* part_ml, int
         for (int k = 0; k < U; ++k)  // w = 0: skip (an empty split's partial may be garbage)
           if (w[k] > 0.f) a.x += w[k] * v[k].x, a.y += w[k] * v[k].y, a.z += w[k] * v[k].z, a.w += w[k] * v[k].w;
       }
-      const int rr = r0 + r;
       if (dst >= 0) {
-        *reinterpret_cast<float4*>(part_acc + (row_base(rr) + dst) * D + 4 * d4) = a;
+        *reinterpret_cast<float4*>(part_acc + (base_s[r] - s0 + dst) * D + 4 * d4) = a;
       } else {
-        const int t = rr / G;
         const float inv = inv_s[r];
         uint2 pk;
         pk.x = pack_out<BF16>(a.x * inv, a.y * inv);
         pk.y = pack_out<BF16>(a.z * inv, a.w * inv);
-        *reinterpret_cast<uint2*>(out + (tok0 + t) * stride_o_tok +
-                                  (i64)(h * G + rr - t * G) * stride_o_head + 4 * d4) = pk;
+        *reinterpret_cast<uint2*>(out + obase_s[r] + 4 * d4) = pk;
       }
     }
     __syncthreads();  // the next chunk's copies overwrite the scratch
@@ -1020,7 +1043,10 @@ DI bool arrive_last(int* ctr, int count, int* flag, int tid) {
 // Template parameters as verify_attn_split's, minus MT (query rows <= 8 N8, padded to 8 N8);
 // DYN: tiles handed out by a per-unit counter (see "Dynamic tiles" below), else static splits.
 // FUSE: the fused merge (merge_partials) is compiled in; without it the kernel's code is 86a6d8f's.
-template <int D, int N8, int STAGES, bool BF16, bool DYN, bool FUSE = false>
+// PH: partial rows stored normalised (acc / l) in fp16 (part_acc is then a [N, Hq, S, D] fp16
+// buffer; (max, sum) stay fp32 in part_ml): half the partial bytes that the combine_w kernel
+// (verify_attn_combine_w<D, BF16, true>) reads back. Never with FUSE.
+template <int D, int N8, int STAGES, bool BF16, bool DYN, bool FUSE = false, bool PH = false>
 __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
     const unsigned short* __restrict__ q,  // [N, Hq, D]
     const signed char* __restrict__ kv,    // the K view's base: record of (block 0, slot 0, head 0)
@@ -1474,15 +1500,33 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
         }
       } else {
         const i64 pr = (tok * Hq + hq) * num_splits + split;
-        float* pa = part_acc + pr * D + warp * DW + 4 * g;
+        if constexpr (PH) {  // normalised fp16 row: |acc / l| <= max |V|, no overflow
+          const float inv = l > 0.f ? 1.f / l : 0.f;
+          unsigned short* ph = reinterpret_cast<unsigned short*>(part_acc) + pr * D + warp * DW + 4 * g;
 #pragma unroll
-        for (int wd = 0; wd < WV; ++wd) {
-          float4 v;
-          v.x = acc[(4 * wd + 0) % MTD][j][2 * ((4 * wd + 0) / MTD) + e];
-          v.y = acc[(4 * wd + 1) % MTD][j][2 * ((4 * wd + 1) / MTD) + e];
-          v.z = acc[(4 * wd + 2) % MTD][j][2 * ((4 * wd + 2) / MTD) + e];
-          v.w = acc[(4 * wd + 3) % MTD][j][2 * ((4 * wd + 3) / MTD) + e];
-          *reinterpret_cast<float4*>(pa + 32 * wd) = v;
+          for (int wd = 0; wd < WV; ++wd) {
+            float v[4];
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+              const int f = 4 * wd + jj;
+              v[jj] = acc[f % MTD][j][2 * (f / MTD) + e] * inv;
+            }
+            uint2 pk;
+            pk.x = pack_out<false>(v[0], v[1]);
+            pk.y = pack_out<false>(v[2], v[3]);
+            *reinterpret_cast<uint2*>(ph + 32 * wd) = pk;
+          }
+        } else {
+          float* pa = part_acc + pr * D + warp * DW + 4 * g;
+#pragma unroll
+          for (int wd = 0; wd < WV; ++wd) {
+            float4 v;
+            v.x = acc[(4 * wd + 0) % MTD][j][2 * ((4 * wd + 0) / MTD) + e];
+            v.y = acc[(4 * wd + 1) % MTD][j][2 * ((4 * wd + 1) / MTD) + e];
+            v.z = acc[(4 * wd + 2) % MTD][j][2 * ((4 * wd + 2) / MTD) + e];
+            v.w = acc[(4 * wd + 3) % MTD][j][2 * ((4 * wd + 3) / MTD) + e];
+            *reinterpret_cast<float4*>(pa + 32 * wd) = v;
+          }
         }
         if (warp == 0 && g == 0) {
           part_ml[pr * 2] = m_s[row];
