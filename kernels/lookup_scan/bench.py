@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -111,6 +113,24 @@ TEST_S = 50_001  # tests/kernels/test_lookup_scan.py::test_candidate_configs_gpu
 _BASES = [(1, 1, 4, 2048, 1), (4, 1, 4, 1024, 1), (2, 1, 1, 4096, 1), (1, 1, 1, 8192, 1), (4, 1, 1, 4096, 1),
           (2, 1, 4, 2048, 1)]
 SWEEP = [(*b, order) for b in _BASES for order in (0, 1)]
+
+
+def register_auto(path: str | None = None) -> list[str]:
+    """Candidates "auto" / "auto2" from a prof.py --sweep2 pick file (path, or $HH_LOOKUP_AUTO so
+    that spawned precompile workers see them too): auto = c1 with the picked tile and switches on
+    the two goal tiers (100K B1's, 256K B8's); auto2 = auto plus the picked switches (not tiles) on
+    the other two tiers (the one-warp tier takes row a's, the four-warp tier row b's)."""
+    path = path or os.environ.get("HH_LOOKUP_AUTO")
+    if not path:
+        return []
+    os.environ["HH_LOOKUP_AUTO"] = path
+    pick = json.loads(Path(path).read_text())
+    fence, c1 = CANDIDATES["c1"]
+    a = {**c1[1], **pick["a"]["opts"], "TILE": tuple(pick["a"]["tile"])}
+    b = {**c1[3], **pick["b"]["opts"], "TILE": tuple(pick["b"]["tile"])}
+    CANDIDATES["auto"] = (fence, (c1[0], a, c1[2], b))
+    CANDIDATES["auto2"] = (fence, ({**c1[0], **pick["a"]["opts"]}, a, {**c1[2], **pick["b"]["opts"]}, b))
+    return ["auto", "auto2"]
 
 
 def cases(sizes) -> list[tuple[int, int, int, int, str]]:
@@ -235,7 +255,9 @@ def main() -> None:
     ap.add_argument("--vllm-ref", type=Path, default=Path(".vllm_ref"))
     ap.add_argument("--baseline", type=Path, default=Path(".baseline"))
     ap.add_argument("--candidates", default="", help="launcher candidates (triton.CANDIDATES) timed beside ours")
+    ap.add_argument("--auto", default=None, help="prof.py --sweep2 pick file: registers candidates auto, auto2")
     args = ap.parse_args()
+    register_auto(args.auto)
     cands = [c for c in args.candidates.split(",") if c and c != DEFAULT]
     for c in cands:
         if c not in CANDIDATES:

@@ -72,6 +72,99 @@ VARIANTS = {
 }
 
 
+# Sweep 2 (2026-11-30, session 4): both goal rows over tiles x switches, all on c1's FENCE 4, SPREAD
+# and COVER (cap = the goal row's grid, so COVER holds).  Switches: HIT 1 (min of XORs) / 2 (none) /
+# 3 (the first MIN_N tokens), FAST 1 (row-local keys) / 2 (XOR-OR scoring when MIN_N == MAX_N),
+# EDGE_ONLY, MAXNREG.  Tiles are (NV, G, warps).
+A_TILES = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2), (4, 1, 2)]
+A_SWITCHES = {"h0": {}, "h1": {"HIT": 1}, "h3": {"HIT": 3}, "f1h1": {"FAST": 1, "HIT": 1},
+              "f1h3": {"FAST": 1, "HIT": 3}, "h3e": {"HIT": 3, "EDGE_ONLY": 1}}  # fmt: skip
+B_TILES = [(4, 1, 4), (2, 1, 4), (4, 1, 2), (4, 2, 2), (1, 4, 4), (4, 1, 8), (4, 2, 1), (4, 1, 1)]
+B_SWITCHES = {"c1": {}, "f2h1": {"FAST": 2, "HIT": 1}, "f2h3": {"FAST": 2, "HIT": 3}, "f2h0": {"FAST": 2},
+              "f2h2": {"FAST": 2, "HIT": 2}, "f1h1r64": {"FAST": 1, "HIT": 1, "MAXNREG": 64}}  # fmt: skip
+
+
+def sweep2_variants() -> dict[str, dict[str, tuple]]:
+    """row -> {name: (config, opts)} for --sweep2."""
+    from kernels.lookup_scan.triton import block_tokens
+
+    out: dict[str, dict[str, tuple]] = {}
+    for row, tiles, switches in (("a", A_TILES, A_SWITCHES), ("b", B_TILES, B_SWITCHES)):
+        S, B, _, _ = ROWS[row]
+        out[row] = {}
+        for tile in tiles:
+            cap = B * -(-S // block_tokens(tile))
+            for name, sw in switches.items():
+                out[row][f"{'/'.join(map(str, tile))} {name}"] = ((*tile, cap, 4, 0), {**_SC, **sw})
+    return out
+
+
+def sweep2(passes: int, pick_path: str | None) -> None:
+    """Time every sweep-2 variant on both goal rows and histories (passes alternate the order),
+    before and vLLM in the same rows; pick per row by the rule in NOTES.md (2026-11-30, session 4):
+    eligible = identical proposals in every timing; a: lowest mean time; b: lowest worst ratio
+    time / vLLM over the two histories.  Writes {"a"|"b": {"tile": [NV, G, warps, cap, ORDER],
+    "opts": {...}}} to pick_path (bench.py --auto)."""
+    import json
+    import statistics
+
+    mod, old_fwd = load_vllm(Path(".vllm_ref")), load_baseline(Path(".baseline"))
+    grid = sweep2_variants()
+    times: dict[tuple[str, str, str], list[float]] = {}
+    bad: set[tuple[str, str]] = set()
+    vllm_t: dict[tuple[str, str], list[float]] = {}
+    for p in range(passes):
+        for row in ROWS:
+            for kind in ("quote", "lowent"):
+                tok_c, lens_c, tok, lens, mn, mx = _setup(row, kind)
+                d_ref, n_ref = naive_lookup_scan(tok_c, lens_c, mn, mx, K_DRAFT)
+                names = list(grid[row]) if p % 2 == 0 else list(grid[row])[::-1]
+                B = tok.shape[0]
+                for name in names:
+                    config, opts = grid[row][name]
+                    out = (torch.full((B, K_DRAFT), -7, dtype=torch.int64, device="cuda"),
+                           torch.full((B,), -7, dtype=torch.int32, device="cuda"))
+                    try:
+                        t = time_graph(_fn(tok, lens, mn, mx, config, opts, out))
+                    except Exception as e:  # noqa: BLE001 (a variant that fails is reported, not fatal)
+                        print(f"ERR {row} {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                        bad.add((row, name))
+                        continue
+                    if not (torch.equal(out[0].cpu(), d_ref) and torch.equal(out[1].cpu(), n_ref)):
+                        bad.add((row, name))
+                    times.setdefault((row, name, kind), []).append(t)
+                ws_b = torch.zeros(2 * B, dtype=torch.int64, device="cuda")
+                t_b = time_graph(lambda: old_fwd(tok, lens, mn, mx, K_DRAFT, None, ws_b, None)) if old_fwd else float("nan")  # noqa: B023
+                t_v = time_graph(vllm_runner(mod, tok, lens, mn, mx)[0]) if mod else float("nan")
+                vllm_t.setdefault((row, kind), []).append(t_v)
+                print(f"sweep2 pass {p + 1} row {row} {kind:6s} before {t_b:.2f} vllm {t_v:.2f}", flush=True)
+    picks = {}
+    for row in ROWS:
+        print(f"\nsweep2 row {row} ({'/'.join(map(str, ROWS[row]))}): µs quote | µs vocab 8 (passes) | score", flush=True)
+        scored = []
+        for name in grid[row]:
+            q, v = times.get((row, name, "quote"), []), times.get((row, name, "lowent"), [])
+            if not q or not v:
+                continue
+            if row == "a":
+                score = statistics.mean(q + v)
+            else:
+                score = max(statistics.mean(q) / statistics.mean(vllm_t[row, "quote"]),
+                            statistics.mean(v) / statistics.mean(vllm_t[row, "lowent"]))
+            ok = (row, name) not in bad
+            scored.append((score, name, ok))
+            print(f"  {name:18s} {' '.join(f'{x:.2f}' for x in q)} | {' '.join(f'{x:.2f}' for x in v)} | "
+                  f"{score:.3f}{'' if ok else ' !'}", flush=True)
+        best = min((s for s in scored if s[2]), default=None)
+        if best is not None:
+            config, opts = grid[row][best[1]]
+            picks[row] = {"tile": [*config[:4], config[5]], "opts": {k: v for k, v in opts.items()}}
+            print(f"sweep2 pick {row}: {best[1]} score {best[0]:.3f}; vLLM "
+                  + ", ".join(f"{k} {statistics.mean(vllm_t[row, k]):.2f}" for k in ("quote", "lowent")), flush=True)
+    if pick_path and len(picks) == 2:
+        Path(pick_path).write_text(json.dumps(picks, indent=1))
+
+
 def _setup(row: str, kind: str):
     S, B, mn, mx = ROWS[row]
     tok_c = histories(kind, B, S, S + B)
@@ -89,6 +182,9 @@ def _fn(tok, lens, mn, mx, config, opts, out):
 
 
 def _compile_one(job) -> str:
+    from kernels.lookup_scan.bench import register_auto
+
+    register_auto()  # spawned workers: candidates auto / auto2 from $HH_LOOKUP_AUTO, if set
     try:
         return _compile(job)
     except Exception as e:  # noqa: BLE001 (one variant failing to compile must not stop the rest)
@@ -108,7 +204,7 @@ def _compile(job) -> str:
     return str(job)
 
 
-def precompile(workers: int, fences=(1, 3, 4), variants: bool = True, candidates=()) -> None:
+def precompile(workers: int, fences=(1, 3, 4), variants: bool = True, candidates=(), sweep2_grid: bool = False) -> None:
     """Variants of the goal rows; every bench row with the rule's config and each FENCE (--ab) or
     each named launcher candidate (bench --candidates), before and vLLM; the GPU tests' launches."""
     import concurrent.futures as cf
@@ -118,6 +214,9 @@ def precompile(workers: int, fences=(1, 3, 4), variants: bool = True, candidates
     from kernels.lookup_scan.triton import candidate, default_config
 
     jobs = [(*ROWS[r], *VARIANTS[r][n]) for r in VARIANTS for n in VARIANTS[r]] if variants else []
+    if sweep2_grid:
+        grid = sweep2_variants()
+        jobs += [(*ROWS[r], *grid[r][n]) for r in grid for n in grid[r]]
     for S in SIZES:
         for B in (1, 8):
             for mn, mx in ((5, 5), (6, 12)):
@@ -233,11 +332,19 @@ def main() -> None:
     ap.add_argument("--fences", default="1,3,4", help="--ab / --precompile: FENCE values")
     ap.add_argument("--no-variants", action="store_true", help="--precompile: only the --ab and GPU-test launches")
     ap.add_argument("--candidates", default="", help="--precompile: bench rows of these triton.CANDIDATES, not --fences")
+    ap.add_argument("--sweep2", action="store_true", help="goal rows over tiles x switches (with --precompile: compile them)")
+    ap.add_argument("--pick", default=None, help="--sweep2: write the picks here (bench.py --auto)")
+    ap.add_argument("--auto", default=None, help="a --sweep2 pick file: registers candidates auto, auto2")
     args = ap.parse_args()
+    from kernels.lookup_scan.bench import register_auto
+
+    register_auto(args.auto)
     fences = tuple(int(x) for x in args.fences.split(","))
     if args.precompile:
         cands = tuple(c for c in args.candidates.split(",") if c)
-        precompile(args.workers, fences, not args.no_variants, cands)
+        precompile(args.workers, fences, not args.no_variants, cands, args.sweep2)
+    elif args.sweep2:
+        sweep2(args.passes, args.pick)
     if args.ab:
         ab([int(x) for x in args.sizes.split(",")], fences)
     if args.time:

@@ -109,11 +109,16 @@ def _tier(work: int) -> int:
 
 
 def candidate(name: str, batch: int, capacity: int) -> tuple[Config, dict[str, int]]:
-    """(config, opts) of the named launcher default for B requests over an [*, S] buffer."""
+    """(config, opts) of the named launcher default for B requests over an [*, S] buffer.  A tier's
+    opts may carry "TILE" = (NV, G, warps, cap, ORDER), replacing RULE's tile for that tier."""
     fence, per_tier = CANDIDATES[name]
     i = _tier(batch * capacity)
     base = RULE[i][1] if i < len(RULE) else CONFIG_LARGE
-    return (*base[:4], fence, base[5]), {"FAST": FAST, **per_tier[i]}
+    opts = {"FAST": FAST, **per_tier[i]}
+    tile = opts.pop("TILE", None)
+    if tile is not None:
+        base = (*tile[:4], fence, tile[4])
+    return (*base[:4], fence, base[5]), opts
 
 
 def default_config(batch: int, capacity: int) -> Config:
@@ -160,7 +165,7 @@ def _tile_scores(cols, s, row0, L, EDGE: tl.constexpr, NV: tl.constexpr, HV: tl.
     both, leaving about two instructions per position and j."""
     H: tl.constexpr = 4 * HV
     if FAST:
-        acc = _tile_scores_fast(cols, s, row0, L, EDGE, NV, HV, MIN_N, MAX_N, POS_BITS)
+        acc = _tile_scores_fast(cols, s, row0, L, EDGE, NV, HV, MIN_N, MAX_N, POS_BITS, FAST)
     else:
         acc = _tile_scores_slow(cols, s, row0, L, EDGE, NV, HV, MIN_N, MAX_N, POS_BITS)
     return acc
@@ -190,13 +195,26 @@ def _tile_scores_slow(cols, s, row0, L, EDGE: tl.constexpr, NV: tl.constexpr, HV
 
 @triton.jit
 def _tile_scores_fast(cols, s, row0, L, EDGE: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr,
-                      MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr):
+                      MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr, FAST: tl.constexpr):
     """_tile_scores with a row-local key: within a row the end positions are row0 + c, so the row's
     best is the max of (m, c) and the packed score is built once per row, not per position.
     MIN_N == MAX_N: m is MIN_N or nothing, so the key is the last matching column (one select per
     position); else (m << 5 | c + 1), 4 * NV <= 16 columns (one shift-add and one max)."""
     H: tl.constexpr = 4 * HV
     acc = tl.zeros_like(row0)  # key per row; 0 = no position
+    if (FAST == 2) & (MIN_N == MAX_N):
+        # XOR-OR form: d == 0 iff all MIN_N tokens equal; ptxas fuses each (x ^ y) | d into one LOP3,
+        # so a position costs MIN_N LOP3 + one compare-select, with no predicate chains to spill.
+        for c in tl.static_range(4 * NV):
+            d = cols[H + c] ^ s[0]
+            for j in tl.static_range(1, MIN_N):
+                d = d | (cols[H + c - j] ^ s[j])
+            ok = d == 0
+            if EDGE:
+                e = row0 + c
+                ok = ok & (e <= L - 2) & (e >= MIN_N - 1)
+            acc = tl.where(ok, c + 1, acc)
+        return tl.where(acc > 0, (MIN_N << POS_BITS) | (row0 + acc), 0)
     for c in tl.static_range(4 * NV):
         a = cols[H + c] == s[0]
         for j in tl.static_range(1, MIN_N):
@@ -226,17 +244,44 @@ def _tile_scores_fast(cols, s, row0, L, EDGE: tl.constexpr, NV: tl.constexpr, HV
 @triton.jit
 def _tile_best(cols, s, base, L, active, ROWS: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr,
                MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr, FAST: tl.constexpr,
-               EDGE_ONLY: tl.constexpr):
+               EDGE_ONLY: tl.constexpr, HIT: tl.constexpr):
     """Best packed score over the tile's end positions (0 if none or not active); s = (h[L-1],
     h[L-2], ...).  The hit test reads the tile unconditionally, so the compiler cannot sink the
-    tile's loads below the length's (one DRAM trip for both, see lookup_scan_kernel)."""
+    tile's loads below the length's (one DRAM trip for both, see lookup_scan_kernel).
+    HIT: the tile's last-token hit test; 0 = OR of compares (LLVM packs the 4*NV predicates into a
+    bitmask: ~60 instructions at NV=4), 1 = min of XORs (tokens are >= 0, so min == 0 iff some
+    column equals h[L-1]: two instructions per column), 2 = none (every active tile is scored:
+    a vocab-8 history hits in every tile anyway), 3 = the first MIN_N tokens, not just the last
+    (MIN_N XOR-ORs per column; the halo's zeros and the suffix's own end can pass it, which only
+    costs a scoring run)."""
     H: tl.constexpr = 4 * HV
     BLOCK: tl.constexpr = ROWS * 4 * NV
-    hit = cols[H] == s[0]
-    for c in tl.static_range(1, 4 * NV):
-        hit = hit | (cols[H + c] == s[0])
+    if HIT == 3:
+        # the first MIN_N tokens (XOR-OR, one LOP3 each): a vocab-8 history passes this in ~8**-MIN_N
+        # of its positions instead of 1/8, so the scoring (the extension to MAX_N) rarely runs
+        x = cols[H] ^ s[0]
+        for j in tl.static_range(1, MIN_N):
+            x = x | (cols[H - j] ^ s[j])
+        for c in tl.static_range(1, 4 * NV):
+            d = cols[H + c] ^ s[0]
+            for j in tl.static_range(1, MIN_N):
+                d = d | (cols[H + c - j] ^ s[j])
+            x = tl.minimum(x, d)
+        hit_any = (tl.min(x) == 0) & active
+    elif HIT == 2:
+        hit_any = active
+    elif HIT == 1:
+        x = cols[H] ^ s[0]
+        for c in tl.static_range(1, 4 * NV):
+            x = tl.minimum(x, cols[H + c] ^ s[0])
+        hit_any = (tl.min(x) == 0) & active
+    else:
+        hit = cols[H] == s[0]
+        for c in tl.static_range(1, 4 * NV):
+            hit = hit | (cols[H + c] == s[0])
+        hit_any = (tl.max(hit.to(tl.int32)) > 0) & active
     best = tl.zeros((), dtype=tl.int32)
-    if (tl.max(hit.to(tl.int32)) > 0) & active:  # quoting histories: almost every tile stops here
+    if hit_any:  # quoting histories: almost every tile stops here
         row0 = base + tl.arange(0, ROWS) * (4 * NV)
         if EDGE_ONLY:  # one copy of the scoring (the edge one, right for every tile): smaller code
             best = tl.max(_tile_scores(cols, s, row0, L, True, NV, HV, MIN_N, MAX_N, POS_BITS, FAST))
@@ -257,6 +302,7 @@ def lookup_scan_kernel(
     POS_BITS: tl.constexpr, FENCE: tl.constexpr, ORDER: tl.constexpr,
     FAST: tl.constexpr = 0, FOLD: tl.constexpr = 1, SUFFIX_AT_S: tl.constexpr = 0,
     SPREAD: tl.constexpr = 0, COVER: tl.constexpr = 0, EDGE_ONLY: tl.constexpr = 0, TICKETS: tl.constexpr = 0,
+    HIT: tl.constexpr = 0,
 ):
     BLOCK: tl.constexpr = ROWS * 4 * NV
     i_p, i_b = tl.program_id(0), tl.program_id(1)
@@ -291,12 +337,12 @@ def lookup_scan_kernel(
     # Not inside `if i_p < n_act`: the compiler would sink the tile's loads into the branch, after
     # the length's load (two DRAM trips; seen in the sm_90 SASS).
     best = _tile_best(cols, s, i_p * BLOCK, L, i_p < n_act, ROWS, NV, HV, MIN_N, MAX_N, POS_BITS, FAST,
-                      EDGE_ONLY)
+                      EDGE_ONLY, HIT)
     if not COVER:  # COVER: the grid covers the buffer (P * BLOCK >= S - 1), the loop never runs
         for t in range(i_p + P, n_tiles, P):  # only past the program cap (never for idle programs)
             cols_t = _load_tile(p_h, t * BLOCK, S, ROWS, NV, HV)
             best = tl.maximum(best, _tile_best(cols_t, s, t * BLOCK, L, True, ROWS, NV, HV, MIN_N, MAX_N,
-                                               POS_BITS, FAST, EDGE_ONLY))
+                                               POS_BITS, FAST, EDGE_ONLY, HIT))
     if FOLD == 0:  # timing only (opts): no fold, no draft; the store keeps the scan alive
         if best < 0:
             tl.store(w_max, best)
