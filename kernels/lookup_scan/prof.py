@@ -93,7 +93,10 @@ def sweep2_variants() -> dict[str, dict[str, tuple]]:
         S, B, _, _ = ROWS[row]
         out[row] = {}
         for tile in tiles:
+            # the goal row's grid; on a's tier (B * S <= 128K) every (B, S) so that COVER always holds
             cap = B * -(-S // block_tokens(tile))
+            if row == "a":
+                cap = max(cap, (1 << 17) // block_tokens(tile))
             for name, sw in switches.items():
                 out[row][f"{'/'.join(map(str, tile))} {name}"] = ((*tile, cap, 4, 0), {**_SC, **sw})
     return out
