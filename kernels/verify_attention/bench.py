@@ -561,7 +561,8 @@ def node_costs(flush: torch.Tensor, bw: float, results: list, before_mod: Any = 
     Per pool (the problem's blocks drawn at random from pools of 100K and 800K tokens; the main
     table uses 800K): the shipped default (split + combine kernel), ``before`` (--before-dir),
     the split kernel alone (``combine=False``), split + an empty kernel node, an empty node
-    alone, the session-5 candidates (fp16 partials, the fused merge), and the read-only ceiling
+    alone, the session-5 candidates (fp16 partials, the row combine, PDL, the fused merge),
+    and the read-only ceiling
     probe (ceiling.py: same grid, bytes and block table; and on a contiguous block table).
     Session 3 (NOTES.md) measured the default 3.2 µs over the split alone on a 100K pool, where
     earlier runs on 400K / 800K pools gave ~9 µs."""
@@ -589,6 +590,9 @@ def node_costs(flush: torch.Tensor, bw: float, results: list, before_mod: Any = 
                 variants["before"] = before_default(prob, before_mod)
             variants.update({
                 "fp16-partials": prob.cuda_variant(partials="fp16"),
+                "combine-row": prob.cuda_variant(combine_kernel="row"),
+                "pdl": prob.cuda_variant(pdl=True),
+                "combine-row+pdl": prob.cuda_variant(combine_kernel="row", pdl=True),
                 "fused": prob.cuda_variant(fuse=True),
                 "split-only": split, "split+empty": split_node, "empty-node": node,
                 "probe": probe(pool.k, prob.block_table, prob.seq_lens, prob.cu_q, t, HQ),
@@ -599,7 +603,7 @@ def node_costs(flush: torch.Tensor, bw: float, results: list, before_mod: Any = 
             for name, fn in variants.items():
                 try:
                     fn()
-                    err = prob.error() if name in ("default", "before", "fp16-partials", "fused") else float("nan")
+                    err = prob.error() if "split" not in name and "probe" not in name and "empty" not in name else float("nan")
                     us[name] = time_graph(fn, flush)
                 except Exception as exc:  # noqa: BLE001 - report and go on
                     print(f"{label} {name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)

@@ -196,11 +196,31 @@ def test_cuda_fused_merge_groups(seq_lens, q_lens, hq, hkv, d, page, window, spl
     run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits)
 
 
-# fp16 partials (HH_VERIFY_ATTENTION_PARTIALS=fp16) apply where the combine_w kernel merges
-# (>= 32 splits): the two many-split cases and the 100K batch-1 shapes (66 splits).
-FP16_PARTIAL_CASES = [c for c in CUDA_CASES if c.id in ("empty-splits-S40", "S150-combine-2-batches")] + [
+# fp16 partials (HH_VERIFY_ATTENTION_PARTIALS=fp16) and the row combine
+# (HH_VERIFY_ATTENTION_COMBINE=row) apply where >= 32 splits are merged: the two many-split cases
+# (S150: three chunks of the row combine) and the 100K batch-1 shapes (66 splits).
+MANY_SPLIT_CASES = [c for c in CUDA_CASES if c.id in ("empty-splits-S40", "S150-combine-2-batches")] + [
     c for c in REAL if c.id in ("qwen-B1-T8-100K", "qwen-B1-T1-100K")
 ]
+FP16_PARTIAL_CASES = MANY_SPLIT_CASES
+ROW_COMBINE_CASES = MANY_SPLIT_CASES + [
+    pytest.param([20000, 700], [8, 1], 32, 8, 128, 16, (-1, -1), 40, id="D128-S40"),
+]
+
+
+@gpu_only
+@pytest.mark.parametrize("sched", ["dyn", "static"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), ROW_COMBINE_CASES)
+def test_cuda_row_combine(seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, sched, monkeypatch):
+    """verify_attn_combine_r (CTA per row, coalesced) merges the fp32 partials."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the CUDA kernel runs on sm_90")
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_SCHED", sched)
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_FUSE", "0")
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_COMBINE", "row")
+    run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
 
 
 @gpu_only
@@ -215,6 +235,7 @@ def test_cuda_fp16_partials(seq_lens, q_lens, hq, hkv, d, page, window, splits, 
     monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")
     monkeypatch.setenv("HH_VERIFY_ATTENTION_SCHED", sched)
     monkeypatch.setenv("HH_VERIFY_ATTENTION_FUSE", "0")
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_COMBINE", "w")
     monkeypatch.setenv("HH_VERIFY_ATTENTION_PARTIALS", "fp16")
     err16 = run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
     monkeypatch.setenv("HH_VERIFY_ATTENTION_PARTIALS", "fp32")

@@ -33,6 +33,7 @@ CTAS_PER_SM = 2  # __launch_bounds__(128, 2); shared memory is sized for two per
 SHARED_PER_SM = 228 * 1024  # sm_90; 1 KB of it is reserved per CTA
 LOG2E = 1.4426950408889634
 HEAD_SIZES = (128, 256)
+ROW_COMBINE_MAX_SPLITS = 256  # verify_attn_combine_r keeps every split's (max, sum) in shared memory
 
 
 def smem_bytes(d: int, mt: int, stages: int) -> int:
@@ -103,6 +104,18 @@ def default_partials() -> str:
     if kind not in ("auto", "fp32", "fp16"):
         raise ValueError(f"HH_VERIFY_ATTENTION_PARTIALS={kind!r}: auto, fp32 or fp16")
     return "fp32" if kind == "auto" else kind
+
+
+def default_combine() -> str:
+    """HH_VERIFY_ATTENTION_COMBINE: auto (default), w or row: the combine kernel where >= 32 splits
+    are merged (wgmma path, not fused): verify_attn_combine_w (warp per row x 8 dims, lane =
+    split) or verify_attn_combine_r (CTA per row, coalesced, session 5).
+
+    auto = w (session 5 measures row; NOTES.md)."""
+    kind = os.environ.get("HH_VERIFY_ATTENTION_COMBINE", "auto").lower()
+    if kind not in ("auto", "w", "row"):
+        raise ValueError(f"HH_VERIFY_ATTENTION_COMBINE={kind!r}: auto, w or row")
+    return "w" if kind == "auto" else kind
 
 
 def merge_group_for(num_splits: int) -> int:
@@ -341,6 +354,7 @@ def verify_attention_cuda(
     fuse: bool | None = None,
     merge_group: int | None = None,
     partials: str | None = None,
+    combine_kernel: str | None = None,
 ) -> torch.Tensor:
     """Launch; the contract is ``kernels.verify_attention.verify_attention``'s (window = W or 0).
 
@@ -351,7 +365,8 @@ def verify_attention_cuda(
     ``default_pdl()``), ``trace`` an int64 [CTAs, 8] tensor for per-CTA %globaltimer stamps,
     ``fuse`` merges the partials inside the split kernel (None: ``default_fuse(n8)``) in groups
     of ``merge_group`` splits (None: ``merge_group_for``); ``partials`` "fp32" / "fp16" (None:
-    ``default_partials()``; fp16 only where the combine_w kernel merges)."""
+    ``default_partials()``; fp16 only where the combine_w kernel merges); ``combine_kernel`` "w" /
+    "row" (None: ``default_combine()``) where >= 32 splits are merged."""
     num_tokens, num_q_heads, d = q.shape
     num_seqs = seqused_k.shape[0]
     hkv = k.shape[2]
@@ -374,13 +389,15 @@ def verify_attention_cuda(
             gs = merge_group or merge_group_for(num_splits)
             gs = gs if merge_fits(d, n8, stages, num_splits, gs) else 0
         # fp16 partials only where verify_attn_combine_w (>= 32 splits) merges them.
-        ph = not gs and combine and num_splits >= 32 and (partials or default_partials()) == "fp16"
+        row = (not gs and 32 <= num_splits <= ROW_COMBINE_MAX_SPLITS
+               and (combine_kernel or default_combine()) == "row")
+        ph = not gs and not row and combine and num_splits >= 32 and (partials or default_partials()) == "fp16"
         split_kernel = _compiled(*split_variant(d, n8, bf16 == "true", sched, stages, fuse=gs > 0, ph=ph))
     else:
         stages = stages or pick_stages(d, mt)
         smem = smem_bytes(d, mt, stages)
         split_kernel = _compiled(f"verify_attn_split<{d}, {mt}, {n8}, {stages}, {bf16}>", smem)
-        ph = False
+        ph = row = False
     if num_splits > 1:
         pdt = torch.float16 if ph else torch.float32
         part_acc = torch.empty(num_tokens, num_q_heads, num_splits, d, dtype=pdt, device=q.device)
@@ -409,7 +426,11 @@ def verify_attention_cuda(
         rows = num_tokens * num_q_heads
         # verify_attn_combine_w (one warp per row x 8 dims, lane = split) from 32 splits; below
         # that most of its lanes idle (H200, drafter w=2048 T=8 b4: 30.8 vs 25.5 µs; NOTES.md).
-        if wgmma and num_splits >= 32:
+        if row:  # verify_attn_combine_r: CTA per row, coalesced loads (session 5)
+            combine = _compiled(f"verify_attn_combine_r<{d}, {bf16}>", 0)
+            grid, block = (rows, 1, 1), (256, 1, 1)
+            args = [out, part_acc, part_ml, int(num_splits), num_q_heads, out.stride(0), out.stride(1)]
+        elif wgmma and num_splits >= 32:
             combine = _compiled(f"verify_attn_combine_w<{d}, {bf16}{', true' if ph else ''}>", 0)
             grid, block = (math.ceil(rows * (d // 8) / 4), 1, 1), (128, 1, 1)
             args = [out, part_acc, part_ml, int(num_splits), num_q_heads, out.stride(0), out.stride(1), rows]

@@ -682,6 +682,95 @@ __global__ void __launch_bounds__(256) verify_attn_combine(
   }
 }
 
+// Merge for the wgmma kernel, one CTA per (token, query head) row (HH_VERIFY_ATTENTION_COMBINE=row,
+// session 5). Why: on the H200 the combine_w node costs ~10 µs over the split kernel alone at 100K
+// b1, T=1 and T=8 alike (an empty node: 1.3 µs), although it reads 1.6 / 12.6 MB; its lanes are
+// splits 1 KB apart, so each of its 16-byte loads is 32 lines (32 L1 wavefronts per instruction).
+// Here the 256 threads are SG = 1024 / D split groups of D / 4 threads, each thread one 16-byte
+// column of the row: every load is coalesced (a group reads a whole 1 KB partial row). All loads
+// of a chunk of U splits per group (the partial columns and their (max, sum)) are issued before
+// the row max is known, so a call with S <= U x SG splits (68 at D = 256) is one L2 round trip,
+// one barrier for the max and one shared-memory reduction over the groups. The (max, sum) pairs
+// are loaded once per CTA (thread s, with the max) and read back from shared memory: 128
+// registers for two CTAs per SM, no spills (ptxas 13.0).
+template <int D, bool BF16>
+__global__ void __launch_bounds__(256, 2) verify_attn_combine_r(
+    unsigned short* __restrict__ out,     // [N, Hq, D]
+    const float* __restrict__ part_acc,   // [N, Hq, S, D]
+    const float* __restrict__ part_ml,    // [N, Hq, S, 2]
+    int num_splits, int Hq, int stride_o_tok, int stride_o_head) {
+  using namespace va;
+  griddep_wait();  // see verify_attn_combine
+  constexpr int L = D / 4;     // threads per split group (one float4 column each)
+  constexpr int SG = 256 / L;  // split groups: 4 at D = 256, 8 at D = 128
+  constexpr int U = 17;        // splits per group and chunk, all loads in flight
+  constexpr int MLS = 256;     // splits at most (launcher: ROW_COMBINE_MAX_SPLITS)
+  __shared__ float red[8];
+  __shared__ float4 acc_s[SG][L];
+  __shared__ float den_s[SG];
+  __shared__ float2 ml_s[MLS + U * SG];  // (max, sum) per split; (-inf, 0) past num_splits
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rowi = blockIdx.x;
+  const int sg = tid / L, d4 = tid % L;  // compile-time divisor
+  const float2* const ml = reinterpret_cast<const float2*>(part_ml) + (i64)rowi * num_splits;
+  const float* const pa = part_acc + (i64)rowi * num_splits * D + 4 * d4;
+  float4 v[U];
+  auto issue = [&](int c0) {  // chunk c0: splits sg + (c0 + k) SG
+    const float* const p0 = pa + (i64)(sg + c0 * SG) * D;  // + k SG D: immediate offsets
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (sg + (c0 + k) * SG < num_splits) v[k] = *reinterpret_cast<const float4*>(p0 + k * SG * D);
+    }
+  };
+  issue(0);
+  float mmax = NEG_INF;
+  for (int s = tid; s < MLS + U * SG; s += 256) {
+    const float2 t = s < num_splits ? ml[s] : make_float2(NEG_INF, 0.f);
+    ml_s[s] = t;
+    mmax = fmaxf(mmax, t.x);
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) mmax = fmaxf(mmax, shfl_xor(mmax, o));
+  if (lane == 0) red[warp] = mmax;
+  __syncthreads();
+  mmax = red[0];
+#pragma unroll
+  for (int w = 1; w < 8; ++w) mmax = fmaxf(mmax, red[w]);
+  float den = 0.f;
+  float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int c0 = 0;;) {
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      // m = -inf: no visible key in that split (or past num_splits): weight 0, data not used.
+      const float2 t = ml_s[sg + (c0 + k) * SG];
+      const float w = t.x == NEG_INF ? 0.f : ex2(t.x - mmax);
+      den += w * t.y;
+      if (w > 0.f) a.x += w * v[k].x, a.y += w * v[k].y, a.z += w * v[k].z, a.w += w * v[k].w;
+    }
+    c0 += U;
+    if (c0 * SG >= num_splits) break;  // uniform over the CTA
+    issue(c0);
+  }
+  acc_s[sg][d4] = a;
+  if (d4 == 0) den_s[sg] = den;
+  __syncthreads();
+  if (sg == 0) {
+#pragma unroll
+    for (int k = 1; k < SG; ++k) {
+      const float4 t = acc_s[k][d4];
+      a.x += t.x, a.y += t.y, a.z += t.z, a.w += t.w;
+      den += den_s[k];
+    }
+    const int tok = rowi / Hq, hq = rowi - (rowi / Hq) * Hq;
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    uint2 pk;
+    pk.x = pack_out<BF16>(a.x * inv, a.y * inv);
+    pk.y = pack_out<BF16>(a.z * inv, a.w * inv);
+    *reinterpret_cast<uint2*>(out + (i64)tok * stride_o_tok + (i64)hq * stride_o_head + 4 * d4) = pk;
+  }
+}
+
 // Merge for the wgmma kernel: one warp per (token, query head, 8 output dims), lane = split
 // group. Why: verify_attn_combine walks the splits in a loop of dependent L2 round trips (~17 per
 // thread at 66 splits), and at T=1 it has only N x Hq = 24 CTAs: it cost ~12 µs of the 77 µs call
