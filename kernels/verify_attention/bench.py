@@ -563,7 +563,8 @@ def node_costs(flush: torch.Tensor, bw: float, results: list, before_mod: Any = 
     the split kernel alone (``combine=False``), split + an empty kernel node, an empty node
     alone, the session-5 candidates (fp16 partials, the row combine, PDL, the fused merge),
     and the read-only ceiling
-    probe (ceiling.py: same grid, bytes and block table; and on a contiguous block table).
+    probe (ceiling.py: same grid, bytes and block table; on a contiguous block table; with 33
+    and 132 splits).
     Session 3 (NOTES.md) measured the default 3.2 µs over the split alone on a 100K pool, where
     earlier runs on 400K / 800K pools gave ~9 µs."""
     from kernels.verify_attention.ceiling import probe
@@ -597,6 +598,9 @@ def node_costs(flush: torch.Tensor, bw: float, results: list, before_mod: Any = 
                 "split-only": split, "split+empty": split_node, "empty-node": node,
                 "probe": probe(pool.k, prob.block_table, prob.seq_lens, prob.cu_q, t, HQ),
                 "probe-contig": probe(pool.k, flat, prob.seq_lens, prob.cu_q, t, HQ),
+                # other grids: half the splits (one CTA per SM), twice (two waves)
+                "probe-S33": probe(pool.k, prob.block_table, prob.seq_lens, prob.cu_q, t, HQ, 33),
+                "probe-S132": probe(pool.k, prob.block_table, prob.seq_lens, prob.cu_q, t, HQ, 132),
             })  # fmt: skip
             label = f"pool={tokens // 1000}K ctx=100000 T={t} b=1"
             us: dict[str, float] = {}

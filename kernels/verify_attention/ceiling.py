@@ -96,16 +96,18 @@ def probe(
     cu_q: torch.Tensor,
     t: int,
     num_q_heads: int,
+    num_splits: int | None = None,
 ) -> Callable[[], None]:
     """A launcher of the probe for a problem the default split kernel would run (D = 256, no
-    window): its split count, grid and dynamic shared memory (``k``: the K view of the cache)."""
+    window): its split count (or ``num_splits``), grid and dynamic shared memory (``k``: the K
+    view of the cache)."""
     if k.shape[3] != D + 4:
         raise ValueError("the probe is written for D = 256")
     batch, hkv = seq_lens.shape[0], k.shape[2]
     block_q, n_qt, _, n8 = vc._tile(num_q_heads // hkv, t)
     sms = torch.cuda.get_device_properties(k.device).multi_processor_count
     ctx = int(seq_lens.max())
-    splits = vc.num_splits_for(batch, hkv, n_qt, ctx, sms)
+    splits = num_splits or vc.num_splits_for(batch, hkv, n_qt, ctx, sms)
     smem = vc.smem_bytes_wg(D, n8, vc.pick_stages(D, n8, vc.smem_bytes_wg))
     kernel = vc._compiled("va_probe_read", smem, SOURCE)
     sink = torch.zeros(1, dtype=torch.int32, device=k.device)
