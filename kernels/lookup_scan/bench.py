@@ -313,7 +313,7 @@ def main() -> None:
                         same = same and torch.equal(d_v.cpu(), d_ref)
                     extra = ""
                     for c in cands:  # each candidate: its own workspace and outputs, same row and data
-                        cfg, opts = candidate(c, B, S)
+                        cfg, opts = candidate(c, B, S, max_n)
                         ws_c = torch.zeros(workspace_numel(B), dtype=torch.int64, device="cuda")
                         out_c = (torch.full((B, K_DRAFT), -7, dtype=torch.int64, device="cuda"),
                                  torch.full((B,), -7, dtype=torch.int32, device="cuda"))

@@ -226,7 +226,7 @@ def precompile(workers: int, fences=(1, 3, 4), variants: bool = True, candidates
                 base = default_config(B, S)
                 if not candidates:
                     jobs += [(S, B, mn, mx, (*base[:4], f, base[5]), None) for f in fences]
-                jobs += [(S, B, mn, mx, *candidate(c, B, S)) for c in candidates]
+                jobs += [(S, B, mn, mx, *candidate(c, B, S, mx)) for c in candidates]
                 jobs += [("bench", ("lookup", who, S, B, mn, mx, None)) for who in ("old", "vllm")]
     from kernels.lookup_scan.bench import TEST_S, precompile_jobs
 

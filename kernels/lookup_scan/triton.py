@@ -24,6 +24,8 @@ the length is known); COVER compiles that loop out where the grid covers the buf
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -89,14 +91,24 @@ def block_tokens(config: tuple[int, ...]) -> int:
 # b vocab 8 7.73-7.87 vs 8.23-8.44); c2 worst row 1.09x (EDGE_ONLY at 8K B8 n5-5 quote); c3 1.14x
 # (the second ticket trip costs ~0.9 µs).
 _C1 = {"SPREAD": 1, "COVER": 1}
-CANDIDATES: dict[str, tuple[int, tuple[dict[str, int], ...]]] = {
+CANDIDATES: dict[str, tuple[int, tuple[dict[str, Any], ...]]] = {
     "cur": (1, ({}, {}, {}, {})),
     "c1": (4, (_C1, _C1, _C1, _C1)),
     "c2": (4, ({**_C1, "EDGE_ONLY": 1}, {**_C1, "EDGE_ONLY": 1}, _C1, {**_C1, "FAST": 1, "MAXNREG": 64})),
     "c3": (4, ({**_C1, "EDGE_ONLY": 1, "TICKETS": 15}, {**_C1, "EDGE_ONLY": 1, "TICKETS": 15}, {**_C1, "TICKETS": 8},
                {**_C1, "FAST": 1, "MAXNREG": 64, "TICKETS": 8})),
 }
-DEFAULT = "c1"
+# c4 / c5 (2026-11-30, session 4; NOTES.md sweep 2): the four-warp 1024-token tier takes FAST 2 + HIT 3
+# (auto2's tier-2 part); 256K B8's tier with max_n <= 5 takes the sweep-2 pick for row b: 4-token rows
+# (NV 1, G 4: a warp's load covers 512 contiguous bytes), FAST 2, HIT 3; c5 adds HIT 3 to that tier's
+# other rows (n 6-12 keep the 16-token rows: their three halo vectors would quadruple the loads).
+_C4_T2 = {**_C1, "FAST": 2, "HIT": 3}
+_SHORT_B = {"TILE": (1, 4, 4, 1024, 0), "FAST": 2, "HIT": 3}
+CANDIDATES["c4"] = (4, (_C1, _C1, _C4_T2, {**_C1, "SHORT": _SHORT_B}))
+CANDIDATES["c5"] = (4, (_C1, _C1, _C4_T2, {**_C1, "HIT": 3, "SHORT": _SHORT_B}))
+# Tentative for the H200 call of 2026-11-30 (session 4, call 2): the table's "ours" is c4, with c1 and
+# c5 beside it; NOTES.md's rule decides what stays.
+DEFAULT = "c4"
 # The compiled kernel of the last launch (prof.py prints its registers).
 LAST_KERNEL: list = [None]
 
@@ -108,27 +120,36 @@ def _tier(work: int) -> int:
     return len(RULE)
 
 
-def candidate(name: str, batch: int, capacity: int) -> tuple[Config, dict[str, int]]:
-    """(config, opts) of the named launcher default for B requests over an [*, S] buffer.  A tier's
-    opts may carry "TILE" = (NV, G, warps, cap, ORDER), replacing RULE's tile for that tier."""
+def tier_candidate(name: str, tier: int, max_n: int = 0) -> tuple[Config, dict[str, Any]]:
+    """(config, opts) of the named launcher default on RULE's tier `tier` (len(RULE): the large one).
+    A tier's opts may carry "TILE" = (NV, G, warps, cap, ORDER), replacing RULE's tile there, and
+    "SHORT" = opts (TILE included) that apply when 1 <= max_n <= 5 (a one-vector halo: the
+    coalesced 4-token-row tiles pay no extra halo loads there)."""
     fence, per_tier = CANDIDATES[name]
-    i = _tier(batch * capacity)
-    base = RULE[i][1] if i < len(RULE) else CONFIG_LARGE
-    opts = {"FAST": FAST, **per_tier[i]}
+    base = RULE[tier][1] if tier < len(RULE) else CONFIG_LARGE
+    opts = {"FAST": FAST, **per_tier[tier]}
+    short = opts.pop("SHORT", None)
+    if short is not None and 1 <= max_n <= 5:
+        opts.update(short)
     tile = opts.pop("TILE", None)
     if tile is not None:
         base = (*tile[:4], fence, tile[4])
     return (*base[:4], fence, base[5]), opts
 
 
-def default_config(batch: int, capacity: int) -> Config:
+def candidate(name: str, batch: int, capacity: int, max_n: int = 0) -> tuple[Config, dict[str, Any]]:
+    """(config, opts) of the named launcher default for B requests over an [*, S] buffer."""
+    return tier_candidate(name, _tier(batch * capacity), max_n)
+
+
+def default_config(batch: int, capacity: int, max_n: int = 0) -> Config:
     """The config for B requests over an [*, S] history buffer (RULE, DEFAULT's fence)."""
-    return candidate(DEFAULT, batch, capacity)[0]
+    return candidate(DEFAULT, batch, capacity, max_n)[0]
 
 
-def default_opts(batch: int, capacity: int) -> dict[str, int]:
+def default_opts(batch: int, capacity: int, max_n: int = 0) -> dict[str, Any]:
     """The kernel switches of DEFAULT for B requests over an [*, S] buffer."""
-    return candidate(DEFAULT, batch, capacity)[1]
+    return candidate(DEFAULT, batch, capacity, max_n)[1]
 
 
 @triton.jit
@@ -444,8 +465,8 @@ def lookup_scan_fwd(
     B = token_ids.shape[0] if req_indices is None else req_indices.shape[0]
     dev = token_ids.device
     S = token_ids.shape[1]
-    nv, g, nw, cap, fence, order = config or default_config(B, S)
-    kw = {**(default_opts(B, S) if config is None else {}), **(opts or {})}
+    nv, g, nw, cap, fence, order = config or default_config(B, S, max_n)
+    kw = {**(default_opts(B, S, max_n) if config is None else {}), **(opts or {})}
     need = workspace_numel(B) if kw.get("SPREAD") else 2 * B
     if workspace is None:
         workspace = torch.zeros(need, dtype=torch.int64, device=dev)

@@ -149,7 +149,8 @@ def test_rule_tiers():
     """The launcher's config follows B * S through RULE's tiers (bench rows: 8K/32K B1 -> 128-token
     one-warp tiles; 8K B8, 100K B1 -> 256-token; 256K B1, 32K/100K B8 -> 1024-token ORDER=1;
     256K B8 -> 2048-token); FENCE and the kernel switches come from the DEFAULT candidate."""
-    from kernels.lookup_scan.triton import CANDIDATES, CONFIG_LARGE, DEFAULT, RULE, default_config, default_opts
+    from kernels.lookup_scan.triton import (CANDIDATES, CONFIG_LARGE, DEFAULT, RULE, default_config, default_opts,
+                                            tier_candidate)
 
     fence, per_tier = CANDIDATES[DEFAULT]
     tiers = [(*c[:4], fence, c[5]) for c in (*[c for _, c in RULE], CONFIG_LARGE)]
@@ -159,26 +160,27 @@ def test_rule_tiers():
     assert picks[1, 262_144] == picks[8, 32768] == picks[8, 100_000] == tiers[2]
     assert picks[8, 262_144] == tiers[3]
     assert default_config(3, 2500) == tiers[0] and default_config(64, 1 << 20) == tiers[3]
-    assert default_opts(1, 100_000).items() >= per_tier[1].items()
-    assert default_opts(8, 262_144).items() >= per_tier[3].items()
+    assert default_opts(1, 100_000) == tier_candidate(DEFAULT, 1)[1]
+    assert default_opts(8, 262_144, 12) == tier_candidate(DEFAULT, 3, 12)[1]
+    assert default_config(8, 262_144, 5) == tier_candidate(DEFAULT, 3, 5)[0]
+    # SHORT: a tier's overrides for max_n <= 5 (c4: 256K B8 n5-5 on 4-token rows)
+    assert tier_candidate("c4", 3, 5)[0][:3] == (1, 4, 4) and tier_candidate("c4", 3, 12)[0] == tiers[3]
 
 
-@pytest.mark.parametrize("cand", ["cur", "c3"])
+@pytest.mark.parametrize("cand", ["cur", "c3", "c5"])
 @pytest.mark.parametrize("tier", range(4), ids=["w1-128", "w1-256", "w4-1024-order", "w4-2048"])
 def test_rule_configs(tier, cand):
     """Each config the rule can pick, with the launcher's own grid (P from the cap): mixed lengths,
     a row shorter than the suffix, vocab-4 rows (every tile passes the hit test); with the kernel
     switches of the candidate launcher defaults (c3: FENCE 4, SPREAD, COVER, TICKETS, EDGE_ONLY / FAST)."""
-    from kernels.lookup_scan.triton import CANDIDATES, CONFIG_LARGE, RULE, block_tokens, lookup_scan_fwd, workspace_numel
+    from kernels.lookup_scan.triton import block_tokens, lookup_scan_fwd, tier_candidate, workspace_numel
 
-    fence, per_tier = CANDIDATES[cand]
-    base = (*[c for _, c in RULE], CONFIG_LARGE)[tier]
-    config, opts = (*base[:4], fence, base[5]), per_tier[tier]
-    S = 2 * block_tokens(config) + 301  # interior and edge tiles; few programs (the interpreter's cost)
-    tok = torch.cat([repetitive(2, S, 300, seed=11), torch.randint(0, 4, (2, S), dtype=torch.int32)])
-    lens = torch.tensor([S, S - 223, 3, S - 1], dtype=torch.int32)
-    ws = torch.zeros(workspace_numel(4), dtype=torch.int64, device=DEVICE)
     for min_n, max_n in [(6, 12), (5, 5)]:
+        config, opts = tier_candidate(cand, tier, max_n)
+        S = 2 * block_tokens(config) + 301  # interior and edge tiles; few programs (the interpreter's cost)
+        tok = torch.cat([repetitive(2, S, 300, seed=11), torch.randint(0, 4, (2, S), dtype=torch.int32)])
+        lens = torch.tensor([S, S - 223, 3, S - 1], dtype=torch.int32)
+        ws = torch.zeros(workspace_numel(4), dtype=torch.int64, device=DEVICE)
         out = (torch.full((4, 7), -7, dtype=torch.int64, device=DEVICE),
                torch.full((4,), -7, dtype=torch.int32, device=DEVICE))
         d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, config, opts)
@@ -188,7 +190,7 @@ def test_rule_configs(tier, cand):
 
 
 @pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
-@pytest.mark.parametrize("cand", ["default", "c1", "c2", "c3"])
+@pytest.mark.parametrize("cand", ["default", "c1", "c2", "c3", "c4", "c5"])
 @pytest.mark.parametrize("S", [8192, 100_000, 262_144])
 @pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
 def test_real_lengths_gpu(S, min_n, max_n, cand):
@@ -203,7 +205,7 @@ def test_real_lengths_gpu(S, min_n, max_n, cand):
         if cand == "default":
             check(tok, lens, min_n, max_n, 7, workspace=ws)
             continue
-        config, opts = candidate(cand, 8, S)
+        config, opts = candidate(cand, 8, S, max_n)
         out = (torch.full((8, 7), -7, dtype=torch.int64, device=DEVICE),
                torch.full((8,), -7, dtype=torch.int32, device=DEVICE))
         d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, config, opts)
