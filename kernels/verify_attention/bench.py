@@ -561,7 +561,8 @@ def node_costs(flush: torch.Tensor, bw: float, results: list, before_mod: Any = 
     Per pool (the problem's blocks drawn at random from pools of 100K and 800K tokens; the main
     table uses 800K): the shipped default (split + combine kernel), ``before`` (--before-dir),
     the split kernel alone (``combine=False``), split + an empty kernel node, an empty node
-    alone, the session-5 candidates (fp16 partials, the row combine, PDL, the fused merge),
+    alone, the session-5 variants (fp16 partials with combine_w, combine_w / the row combine with
+    and without PDL, the fused merge),
     and the read-only ceiling
     probe (ceiling.py: same grid, bytes and block table; on a contiguous block table; with 33
     and 132 splits).
@@ -590,9 +591,10 @@ def node_costs(flush: torch.Tensor, bw: float, results: list, before_mod: Any = 
             if before_mod is not None:
                 variants["before"] = before_default(prob, before_mod)
             variants.update({
-                "fp16-partials": prob.cuda_variant(partials="fp16"),
+                "fp16-partials": prob.cuda_variant(partials="fp16", combine_kernel="w"),
+                "combine-w": prob.cuda_variant(combine_kernel="w"),
+                "combine-w+pdl": prob.cuda_variant(combine_kernel="w", pdl=True),
                 "combine-row": prob.cuda_variant(combine_kernel="row"),
-                "pdl": prob.cuda_variant(pdl=True),
                 "combine-row+pdl": prob.cuda_variant(combine_kernel="row", pdl=True),
                 "fused": prob.cuda_variant(fuse=True),
                 "split-only": split, "split+empty": split_node, "empty-node": node,

@@ -97,9 +97,11 @@ def default_fuse(n8: int) -> bool:
 def default_partials() -> str:
     """HH_VERIFY_ATTENTION_PARTIALS: auto (default), fp32 or fp16: the split kernel's partial rows
     as fp32 accumulators, or normalised (acc / sum) in fp16 (half the bytes written and read back
-    by the combine; only where verify_attn_combine_w merges: >= 32 splits, not fused).
+    by the combine; only where verify_attn_combine_w merges: >= 32 splits, not fused,
+    HH_VERIFY_ATTENTION_COMBINE=w).
 
-    auto = fp32 (session 5 measures fp16; NOTES.md)."""
+    auto = fp32: fp16 gained nothing on the H200 (session 5: 100K T=8 b1 94.1 vs 94.5 µs, 8K T=8
+    b1 0.96x; the combine node's cost is not its bytes; NOTES.md)."""
     kind = os.environ.get("HH_VERIFY_ATTENTION_PARTIALS", "auto").lower()
     if kind not in ("auto", "fp32", "fp16"):
         raise ValueError(f"HH_VERIFY_ATTENTION_PARTIALS={kind!r}: auto, fp32 or fp16")
@@ -107,15 +109,17 @@ def default_partials() -> str:
 
 
 def default_combine() -> str:
-    """HH_VERIFY_ATTENTION_COMBINE: auto (default), w or row: the combine kernel where >= 32 splits
-    are merged (wgmma path, not fused): verify_attn_combine_w (warp per row x 8 dims, lane =
-    split) or verify_attn_combine_r (CTA per row, coalesced, session 5).
+    """HH_VERIFY_ATTENTION_COMBINE: auto (default), w or row: the combine kernel where 32..256
+    splits are merged (wgmma path, not fused): verify_attn_combine_w (warp per row x 8 dims, lane
+    = split) or verify_attn_combine_r (CTA per row, coalesced loads).
 
-    auto = w (session 5 measures row; NOTES.md)."""
+    auto = row: on the H200 (session 5, same run as the previous default) 100K T=8 b1 90.8 vs
+    94.7 µs, 8K-32K T=8/16 b1 1.06-1.09x, T=1 b1 equal, no row of the full table slower than
+    1.03x (NOTES.md)."""
     kind = os.environ.get("HH_VERIFY_ATTENTION_COMBINE", "auto").lower()
     if kind not in ("auto", "w", "row"):
         raise ValueError(f"HH_VERIFY_ATTENTION_COMBINE={kind!r}: auto, w or row")
-    return "w" if kind == "auto" else kind
+    return "row" if kind == "auto" else kind
 
 
 def merge_group_for(num_splits: int) -> int:
@@ -424,8 +428,9 @@ def verify_attention_cuda(
     )  # fmt: skip
     if num_splits > 1 and num_tokens and combine and not gs:
         rows = num_tokens * num_q_heads
-        # verify_attn_combine_w (one warp per row x 8 dims, lane = split) from 32 splits; below
-        # that most of its lanes idle (H200, drafter w=2048 T=8 b4: 30.8 vs 25.5 µs; NOTES.md).
+        # From 32 splits verify_attn_combine_r (default) or verify_attn_combine_w (one warp per
+        # row x 8 dims, lane = split); below, ea506d7's combine: combine_w's lanes idle there (H200,
+        # drafter w=2048 T=8 b4: 30.8 vs 25.5 µs; NOTES.md).
         if row:  # verify_attn_combine_r: CTA per row, coalesced loads (session 5)
             combine = _compiled(f"verify_attn_combine_r<{d}, {bf16}>", 0)
             grid, block = (rows, 1, 1), (256, 1, 1)

@@ -682,10 +682,12 @@ __global__ void __launch_bounds__(256) verify_attn_combine(
   }
 }
 
-// Merge for the wgmma kernel, one CTA per (token, query head) row (HH_VERIFY_ATTENTION_COMBINE=row,
-// session 5). Why: on the H200 the combine_w node costs ~10 µs over the split kernel alone at 100K
-// b1, T=1 and T=8 alike (an empty node: 1.3 µs), although it reads 1.6 / 12.6 MB; its lanes are
-// splits 1 KB apart, so each of its 16-byte loads is 32 lines (32 L1 wavefronts per instruction).
+// Merge for the wgmma kernel, one CTA per (token, query head) row: the default from 32 splits
+// since session 5 (HH_VERIFY_ATTENTION_COMBINE=w selects combine_w below). Why: on the H200 the
+// combine_w node costs ~10 µs over the split kernel alone at 100K b1, T=1 and T=8 alike (an empty
+// node: 1.3 µs), although it reads 1.6 / 12.6 MB; its lanes are splits 1 KB apart, so each of its
+// 16-byte loads is 32 lines (32 L1 wavefronts per instruction). Measured (H200, same run): 100K
+// T=8 b1 93.6 -> 89.8 µs, T=1 b1 unchanged (72.7: its node cost is not this kernel's work; NOTES.md).
 // Here the 256 threads are SG = 1024 / D split groups of D / 4 threads, each thread one 16-byte
 // column of the row: every load is coalesced (a group reads a whole 1 KB partial row). All loads
 // of a chunk of U splits per group (the partial columns and their (max, sum)) are issued before
@@ -992,6 +994,8 @@ namespace va {
 // main loop; three versions of merge_partials (register loads, cp.async staging, warp-parallel
 // weights) moved this by < 1 µs at T=1, so the time is not in the merge's arithmetic or its
 // load pattern. Opt-in only (HH_VERIFY_ATTENTION_FUSE=1; FUSE = true variant).
+// Session 5: merge_partials without run-time divisions (below): T=8 b1 176.8 -> 138.6 µs, T=1 b1
+// 78.0 vs split + combine 72.7 µs: still slower than the combine node, still opt-in.
 DI float2 ldcg2(const float* p) {
   float2 v;
   asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "l"(p));
