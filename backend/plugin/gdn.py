@@ -52,6 +52,9 @@ def install() -> bool:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        from backend.plugin import cpu_align
+
+        cpu_align.install()  # HYPERHARNESS_CPU_ALIGN_INTERPRET=1: align copies on CPU (cpu_align.py)
     from backend.plugin.gdn_layer import register_layer
 
     return register_layer()

@@ -201,12 +201,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--check-outputs", action="store_true", help="compare replies with cold recomputes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra engine environment (repeatable), e.g. HYPERHARNESS_GDN_LAZY=1")
     parser.add_argument("flags", nargs="*", help="engine flags (after --)")
     args = parser.parse_args(argv)
     flags = args.flags or ["--enable-prefix-caching", "--prefix-match-unit", "16"]
     started = time.monotonic()
-    with engine(args.model, flags, env={"HYPERHARNESS_EOT_STATE": args.eot}) as eng:
-        result = {"flags": flags, "eot": args.eot, "startup_s": round(time.monotonic() - started, 1)}
+    env = dict(item.split("=", 1) for item in args.env)
+    with engine(args.model, flags, env={**env, "HYPERHARNESS_EOT_STATE": args.eot}) as eng:
+        result = {"flags": flags, "eot": args.eot, "env": env, "startup_s": round(time.monotonic() - started, 1)}
         plain = agent_replay(eng, args.seed, args.turns)
         result["reprefilled"] = plain.reprefilled
         if args.warmup:
