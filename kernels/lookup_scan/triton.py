@@ -69,10 +69,14 @@ CONFIG_LARGE: Config = (4, 1, 4, 1024, 1, 0)
 FAST = 0
 
 
+SLOT_WORDS = 32 * 8  # int64 per request for SLOTS: 32 match lengths x KP (<= 8) draft words
+
+
 def workspace_numel(batch: int) -> int:
     """int64 elements of the workspace for B requests: one 128-byte line per request (SPREAD=1;
-    SPREAD=0 uses the first 2 * B).  Callers allocate zeros of this size once and reuse them."""
-    return 16 * batch
+    SPREAD=0 uses the first 2 * B), then SLOT_WORDS per request (SLOTS=1: draft slots).  Callers
+    allocate zeros of this size once and reuse them; the kernel leaves them zero."""
+    return (16 + SLOT_WORDS) * batch
 
 
 def block_tokens(config: tuple[int, ...]) -> int:
@@ -106,11 +110,16 @@ _C4_T2 = {**_C1, "FAST": 2, "HIT": 3}
 _SHORT_B = {"TILE": (1, 4, 4, 1024, 0), "FAST": 2, "HIT": 3}
 CANDIDATES["c4"] = (4, (_C1, _C1, _C4_T2, {**_C1, "SHORT": _SHORT_B}))
 CANDIDATES["c5"] = (4, (_C1, _C1, _C4_T2, {**_C1, "HIT": 3, "SHORT": _SHORT_B}))
+# c6 = c5 + SLOTS on every tier: the finisher reads the winner's draft from its tagged slot in the
+# same trip as the max instead of a dependent gather from the history (NOTES.md, session 4).
+CANDIDATES["c6"] = (4, tuple({**t, "SLOTS": 1} for t in CANDIDATES["c5"][1]))
 # H200 call 2 of 2026-11-30 (session 4; ours = c4, c1 and c5 beside it, two bench passes): by the rule
 # fixed before the call (NOTES.md) c5 is eligible (worst row 1.056x c1, geometric mean 0.987, 256K B8
 # n5-5 6.39 / 6.76 µs vs c1 6.71 / 7.81) and c4 is not (1.072x on 8K B8 n5-5 vocab 8, a row where
 # its code is c1's: noise, but the rule is the rule).
 DEFAULT = "c5"
+# Tentative for H200 call 4 (session 4): ours = c6, c5 beside it; NOTES.md's rule decides what stays.
+DEFAULT = "c6"
 # The compiled kernel of the last launch (prof.py prints its registers).
 LAST_KERNEL: list = [None]
 
@@ -318,14 +327,14 @@ def _tile_best(cols, s, base, L, active, ROWS: tl.constexpr, NV: tl.constexpr, H
 
 @triton.jit
 def lookup_scan_kernel(
-    tokens, s_tok, req_idx, seq_lens, drafts, num_valid, ws,
+    tokens, s_tok, req_idx, seq_lens, drafts, num_valid, ws, ws_slots,
     S, P, B,
     MIN_N: tl.constexpr, MAX_N: tl.constexpr, K_DRAFT: tl.constexpr, KP: tl.constexpr,
     ROWS: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr, HAS_REQ_IDX: tl.constexpr,
     POS_BITS: tl.constexpr, FENCE: tl.constexpr, ORDER: tl.constexpr,
     FAST: tl.constexpr = 0, FOLD: tl.constexpr = 1, SUFFIX_AT_S: tl.constexpr = 0,
     SPREAD: tl.constexpr = 0, COVER: tl.constexpr = 0, EDGE_ONLY: tl.constexpr = 0, TICKETS: tl.constexpr = 0,
-    HIT: tl.constexpr = 0,
+    HIT: tl.constexpr = 0, SLOTS: tl.constexpr = 0, MP: tl.constexpr = 1,
 ):
     BLOCK: tl.constexpr = ROWS * 4 * NV
     i_p, i_b = tl.program_id(0), tl.program_id(1)
@@ -383,6 +392,18 @@ def lookup_scan_kernel(
             # program of a quoting history pays no MEMBAR (FENCE 1's finisher pays one, ~0.3 µs
             # by FENCE 0's measurement).
             if best > 0:
+                if SLOTS:
+                    # This program's draft, tagged with its score, into the slot of its match length
+                    # (one int64 word per token: score << 32 | token, a relaxed atomic each so racing
+                    # writers never tear a word); released with the ticket below.  The finisher then
+                    # reads the winner's draft in the same trip as the max (NOTES.md, session 4).
+                    o_k = tl.arange(0, KP)
+                    st = best & ((1 << POS_BITS) - 1)
+                    nv_own = tl.minimum(L - st, K_DRAFT)
+                    d_own = tl.load(p_h + st + o_k, mask=o_k < nv_own, other=0).to(tl.int64)
+                    word = (best.to(tl.int64) << 32) | (d_own & 0xFFFFFFFF)
+                    slot = ws_slots + (i_b * 32 + (best >> POS_BITS)) * KP + o_k
+                    tl.atomic_xchg(slot, word, mask=o_k < nv_own, sem="relaxed")
                 tl.atomic_max(w_max, best, sem="relaxed")
                 ticket = tl.atomic_add(w_t1, 1, sem="acq_rel")
             else:
@@ -430,12 +451,27 @@ def lookup_scan_kernel(
                 best = tl.load(w_max + dep, volatile=True)
             else:
                 best = tl.load(w_max, volatile=True)
+            o_d = tl.arange(0, KP)
+            if SLOTS:
+                # the slots of every match length, loaded beside the max (no dependence on it)
+                o_m = tl.arange(0, MP)
+                p_sl = ws_slots + (i_b * 32 + MIN_N + o_m[:, None]) * KP + o_d[None, :]
+                sl = tl.load(p_sl, mask=o_m[:, None] <= MAX_N - MIN_N, other=0, volatile=True)
             tl.store(w_max, 0)
             tl.store(w_tk, 0)
             start = best & ((1 << POS_BITS) - 1)  # e + 1 of the winning end position
             nv = tl.where(best > 0, tl.minimum(L - start, K_DRAFT), 0)
-            o_d = tl.arange(0, KP)
-            d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
+            if SLOTS:
+                m_i = (best >> POS_BITS) - MIN_N
+                sel = tl.sum(tl.where(o_m[:, None] == m_i, sl, 0), axis=0)  # [KP] the winner's slot
+                tl.store(p_sl, tl.zeros_like(sl), mask=o_m[:, None] <= MAX_N - MIN_N)  # leave zeros
+                good = tl.where(o_d < nv, (sel >> 32) == best.to(tl.int64), True)
+                if tl.min(good.to(tl.int32)) == 1:
+                    d_tok = sel & 0xFFFFFFFF
+                else:  # another writer of that length landed last: read the history (rare)
+                    d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0).to(tl.int64)
+            else:
+                d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
             out = tl.where(o_d < nv, d_tok, s[0]).to(tl.int64)
             tl.store(drafts + i_b * K_DRAFT + o_d, out, mask=o_d < K_DRAFT)
             tl.store(num_valid + i_b, nv.to(tl.int32))
@@ -469,6 +505,8 @@ def lookup_scan_fwd(
     S = token_ids.shape[1]
     nv, g, nw, cap, fence, order = config or default_config(B, S, max_n)
     kw = {**(default_opts(B, S, max_n) if config is None else {}), **(opts or {})}
+    if kw.get("SLOTS") and (not kw.get("SPREAD") or int(fence) != 4 or kw.get("TICKETS") or num_draft > 8):
+        raise ValueError("SLOTS needs SPREAD, FENCE 4, no TICKETS and num_draft <= 8")
     need = workspace_numel(B) if kw.get("SPREAD") else 2 * B
     if workspace is None:
         workspace = torch.zeros(need, dtype=torch.int64, device=dev)
@@ -487,8 +525,9 @@ def lookup_scan_fwd(
     maxnreg = kw.pop("MAXNREG", None)
     LAST_KERNEL[0] = lookup_scan_kernel[(P, B)](
         token_ids, token_ids.stride(0), req_indices if req_indices is not None else seq_lens, seq_lens,
-        drafts, num_valid, workspace.view(torch.int32), S, P, B,
+        drafts, num_valid, workspace.view(torch.int32), workspace[16 * B:], S, P, B,
         MIN_N=min_n, MAX_N=max_n, K_DRAFT=num_draft, KP=triton.next_power_of_2(num_draft),
+        MP=triton.next_power_of_2(max_n - min_n + 1) if kw.get("SLOTS") else 1,
         ROWS=32 * nw * g, NV=nv, HV=triton.cdiv(max_n - 1, 4), HAS_REQ_IDX=req_indices is not None,
         # int, not bool: FENCE 3 / 4 are protocols of their own (bool() made them FENCE 1 before 2026-11-30)
         POS_BITS=POS_BITS, FENCE=int(fence), ORDER=int(bool(order)), num_warps=nw,
