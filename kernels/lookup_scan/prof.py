@@ -163,7 +163,7 @@ def _fn(tok, lens, mn, mx, config, opts, out):
 
     from kernels.lookup_scan.triton import workspace_numel
 
-    ws = torch.zeros(workspace_numel(tok.shape[0]), dtype=torch.int64, device="cuda")
+    ws = torch.zeros(workspace_numel(tok.shape[0], slots=True), dtype=torch.int64, device="cuda")
     return lambda: lookup_scan_fwd(tok, lens, mn, mx, K_DRAFT, None, ws, out, None, config, opts)
 
 

@@ -72,11 +72,11 @@ FAST = 0
 SLOT_WORDS = 32 * 8  # int64 per request for SLOTS: 32 match lengths x KP (<= 8) draft words
 
 
-def workspace_numel(batch: int) -> int:
+def workspace_numel(batch: int, slots: bool = False) -> int:
     """int64 elements of the workspace for B requests: one 128-byte line per request (SPREAD=1;
-    SPREAD=0 uses the first 2 * B), then SLOT_WORDS per request (SLOTS=1: draft slots).  Callers
-    allocate zeros of this size once and reuse them; the kernel leaves them zero."""
-    return (16 + SLOT_WORDS) * batch
+    SPREAD=0 uses the first 2 * B), then SLOT_WORDS per request if `slots` (SLOTS=1, not a
+    default).  Callers allocate zeros of this size once and reuse them; the kernel leaves them zero."""
+    return (16 + (SLOT_WORDS if slots else 0)) * batch
 
 
 def block_tokens(config: tuple[int, ...]) -> int:
@@ -111,15 +111,15 @@ _SHORT_B = {"TILE": (1, 4, 4, 1024, 0), "FAST": 2, "HIT": 3}
 CANDIDATES["c4"] = (4, (_C1, _C1, _C4_T2, {**_C1, "SHORT": _SHORT_B}))
 CANDIDATES["c5"] = (4, (_C1, _C1, _C4_T2, {**_C1, "HIT": 3, "SHORT": _SHORT_B}))
 # c6 = c5 + SLOTS on every tier: the finisher reads the winner's draft from its tagged slot in the
-# same trip as the max instead of a dependent gather from the history (NOTES.md, session 4).
+# same trip as the max instead of a dependent gather from the history (NOTES.md, session 4; slower).
 CANDIDATES["c6"] = (4, tuple({**t, "SLOTS": 1} for t in CANDIDATES["c5"][1]))
 # H200 call 2 of 2026-11-30 (session 4; ours = c4, c1 and c5 beside it, two bench passes): by the rule
 # fixed before the call (NOTES.md) c5 is eligible (worst row 1.056x c1, geometric mean 0.987, 256K B8
 # n5-5 6.39 / 6.76 µs vs c1 6.71 / 7.81) and c4 is not (1.072x on 8K B8 n5-5 vocab 8, a row where
 # its code is c1's: noise, but the rule is the rule).
+# H200 call 4 (ours = c6, c5 beside it): c6 loses on 31 of 32 rows (the leader's own gather and slot
+# stores sit before its release, on the critical path): c5 stays (NOTES.md).
 DEFAULT = "c5"
-# Tentative for H200 call 4 (session 4): ours = c6, c5 beside it; NOTES.md's rule decides what stays.
-DEFAULT = "c6"
 # The compiled kernel of the last launch (prof.py prints its registers).
 LAST_KERNEL: list = [None]
 
@@ -507,11 +507,11 @@ def lookup_scan_fwd(
     kw = {**(default_opts(B, S, max_n) if config is None else {}), **(opts or {})}
     if kw.get("SLOTS") and (not kw.get("SPREAD") or int(fence) != 4 or kw.get("TICKETS") or num_draft > 8):
         raise ValueError("SLOTS needs SPREAD, FENCE 4, no TICKETS and num_draft <= 8")
-    need = workspace_numel(B) if kw.get("SPREAD") else 2 * B
+    need = workspace_numel(B, bool(kw.get("SLOTS"))) if kw.get("SPREAD") else 2 * B
     if workspace is None:
         workspace = torch.zeros(need, dtype=torch.int64, device=dev)
     elif workspace.dim() != 1 or workspace.numel() < need or workspace.dtype != torch.int64 or not workspace.is_contiguous():
-        raise ValueError(f"workspace must be contiguous int64 [workspace_numel(B) = {workspace_numel(B)}] zeros, "
+        raise ValueError(f"workspace must be contiguous int64 [workspace_numel(B) = {need}] zeros, "
                          f"got {workspace.dtype} {tuple(workspace.shape)}")
     drafts, num_valid = out if out is not None else (
         torch.empty(B, num_draft, dtype=torch.int64, device=dev),

@@ -140,7 +140,7 @@ def test_configs_block_loop_and_idle_programs(config, programs, opts):
 
     tok = torch.cat([repetitive(2, 1500, 300, seed=9), torch.randint(0, 4, (2, 1500), dtype=torch.int32)])
     lens = torch.tensor([1500, 700, 1400, 2], dtype=torch.int32)
-    ws = torch.zeros(workspace_numel(4), dtype=torch.int64, device=DEVICE)
+    ws = torch.zeros(workspace_numel(4, slots=True), dtype=torch.int64, device=DEVICE)
     for min_n, max_n in [(2, 9), (4, 4)]:
         out = (torch.full((4, 5), -7, dtype=torch.int64, device=DEVICE),
                torch.full((4,), -7, dtype=torch.int32, device=DEVICE))
@@ -185,7 +185,7 @@ def test_rule_configs(tier, cand):
         S = 2 * block_tokens(config) + 301  # interior and edge tiles; few programs (the interpreter's cost)
         tok = torch.cat([repetitive(2, S, 300, seed=11), torch.randint(0, 4, (2, S), dtype=torch.int32)])
         lens = torch.tensor([S, S - 223, 3, S - 1], dtype=torch.int32)
-        ws = torch.zeros(workspace_numel(4), dtype=torch.int64, device=DEVICE)
+        ws = torch.zeros(workspace_numel(4, slots=True), dtype=torch.int64, device=DEVICE)
         out = (torch.full((4, 7), -7, dtype=torch.int64, device=DEVICE),
                torch.full((4,), -7, dtype=torch.int32, device=DEVICE))
         d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, config, opts)
@@ -204,7 +204,7 @@ def test_real_lengths_gpu(S, min_n, max_n, cand):
 
     tok = torch.cat([repetitive(4, S, 150_000, seed=S), torch.randint(0, 8, (4, S), dtype=torch.int32)])
     lens = torch.tensor([S, S - 1, S // 2 + 3, 1000, S, S - 5, 77, S // 3], dtype=torch.int32)
-    ws = torch.zeros(workspace_numel(8), dtype=torch.int64, device=DEVICE)
+    ws = torch.zeros(workspace_numel(8, slots=True), dtype=torch.int64, device=DEVICE)
     dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 7)
     for _ in range(2):
         if cand == "default":
