@@ -94,36 +94,20 @@ def sweep2(passes: int, pick_path: str | None) -> None:
     import json
     import statistics
 
-    mod, old_fwd = load_vllm(Path(".vllm_ref")), load_baseline(Path(".baseline"))
     grid = sweep2_variants()
     times: dict[tuple[str, str, str], list[float]] = {}
     bad: set[tuple[str, str]] = set()
     vllm_t: dict[tuple[str, str], list[float]] = {}
-    for p in range(passes):
-        for row in ROWS:
-            for kind in ("quote", "lowent"):
-                tok_c, lens_c, tok, lens, mn, mx = _setup(row, kind)
-                d_ref, n_ref = naive_lookup_scan(tok_c, lens_c, mn, mx, K_DRAFT)
-                names = list(grid[row]) if p % 2 == 0 else list(grid[row])[::-1]
-                B = tok.shape[0]
-                for name in names:
-                    config, opts = grid[row][name]
-                    out = (torch.full((B, K_DRAFT), -7, dtype=torch.int64, device="cuda"),
-                           torch.full((B,), -7, dtype=torch.int32, device="cuda"))
-                    try:
-                        t = time_graph(_fn(tok, lens, mn, mx, config, opts, out))
-                    except Exception as e:  # noqa: BLE001 (a variant that fails is reported, not fatal)
-                        print(f"ERR {row} {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                        bad.add((row, name))
-                        continue
-                    if not (torch.equal(out[0].cpu(), d_ref) and torch.equal(out[1].cpu(), n_ref)):
-                        bad.add((row, name))
-                    times.setdefault((row, name, kind), []).append(t)
-                ws_b = torch.zeros(2 * B, dtype=torch.int64, device="cuda")
-                t_b = time_graph(lambda: old_fwd(tok, lens, mn, mx, K_DRAFT, None, ws_b, None)) if old_fwd else float("nan")  # noqa: B023
-                t_v = time_graph(vllm_runner(mod, tok, lens, mn, mx)[0]) if mod else float("nan")
-                vllm_t.setdefault((row, kind), []).append(t_v)
-                print(f"sweep2 pass {p + 1} row {row} {kind:6s} before {t_b:.2f} vllm {t_v:.2f}", flush=True)
+    for p, row, kind, res, t_b, t_v in _cells(grid, passes):
+        for name, (t, ok, err, _) in res.items():
+            if err:
+                print(f"ERR {row} {name}: {err}", flush=True)
+            if err or not ok:
+                bad.add((row, name))
+            if t is not None:
+                times.setdefault((row, name, kind), []).append(t)
+        vllm_t.setdefault((row, kind), []).append(t_v)
+        print(f"sweep2 pass {p + 1} row {row} {kind:6s} before {t_b:.2f} vllm {t_v:.2f}", flush=True)
     picks = {}
     for row in ROWS:
         print(f"\nsweep2 row {row} ({'/'.join(map(str, ROWS[row]))}): µs quote | µs vocab 8 (passes) | score", flush=True)
@@ -223,35 +207,44 @@ def precompile(workers: int, fences=(1, 3, 4), variants: bool = True, candidates
     print(f"precompiled {len(jobs)} variants in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-def time_rows(passes: int) -> None:
+def _cells(grid: dict[str, dict[str, tuple]], passes: int):
+    """Yield (pass, row, kind, {name: (µs or None, proposals ok, error, registers)}, before µs, vLLM µs) for
+    every goal row and history: each variant of grid[row] timed in the same process (order reversed
+    on odd passes), then the baseline kernel and vLLM's in the same row.  Timing-only names ('~')
+    count as ok."""
     mod, old_fwd = load_vllm(Path(".vllm_ref")), load_baseline(Path(".baseline"))
-    regs = {}
     for p in range(passes):
         for row in ROWS:
             for kind in ("quote", "lowent"):
                 tok_c, lens_c, tok, lens, mn, mx = _setup(row, kind)
                 d_ref, n_ref = naive_lookup_scan(tok_c, lens_c, mn, mx, K_DRAFT)
-                names = list(VARIANTS[row]) if p % 2 == 0 else list(VARIANTS[row])[::-1]
+                B = tok.shape[0]
+                names = list(grid[row]) if p % 2 == 0 else list(grid[row])[::-1]
                 res = {}
                 for name in names:
-                    config, opts = VARIANTS[row][name]
-                    B = tok.shape[0]
+                    config, opts = grid[row][name]
                     out = (torch.full((B, K_DRAFT), -7, dtype=torch.int64, device="cuda"),
                            torch.full((B,), -7, dtype=torch.int32, device="cuda"))
                     try:
                         t = time_graph(_fn(tok, lens, mn, mx, config, opts, out))
-                    except Exception as e:  # noqa: BLE001 (e.g. a launch option this Triton lacks)
-                        res[name] = f"ERR({type(e).__name__}: {str(e)[:80]})"
+                    except Exception as e:  # noqa: BLE001 (e.g. a launch option this Triton lacks: reported)
+                        res[name] = (None, False, f"{type(e).__name__}: {str(e)[:100]}", "")
                         continue
                     ok = name.endswith("~") or (torch.equal(out[0].cpu(), d_ref) and torch.equal(out[1].cpu(), n_ref))
-                    res[name] = f"{t:.2f}{'' if ok else '!'}"
-                    if p == 0 and kind == "quote":
-                        regs[row, name] = _regs()
-                ws_b = torch.zeros(2 * tok.shape[0], dtype=torch.int64, device="cuda")
+                    res[name] = (t, ok, "", _regs())
+                ws_b = torch.zeros(2 * B, dtype=torch.int64, device="cuda")
                 t_b = time_graph(lambda: old_fwd(tok, lens, mn, mx, K_DRAFT, None, ws_b, None)) if old_fwd else float("nan")  # noqa: B023
                 t_v = time_graph(vllm_runner(mod, tok, lens, mn, mx)[0]) if mod else float("nan")
-                print(f"pass {p + 1} row {row} {kind:6s} before {t_b:.2f} vllm {t_v:.2f} | "
-                      + "  ".join(f"{k} {res[k]}" for k in VARIANTS[row]), flush=True)
+                yield p, row, kind, res, t_b, t_v
+
+
+def time_rows(passes: int) -> None:
+    regs = {}
+    for p, row, kind, res, t_b, t_v in _cells(VARIANTS, passes):
+        cell = {n: f"ERR({e})" if e else f"{t:.2f}{'' if ok else '!'}" for n, (t, ok, e, _) in res.items()}
+        regs.update({(row, n): r for n, (*_, r) in res.items() if kind == "quote"})
+        print(f"pass {p + 1} row {row} {kind:6s} before {t_b:.2f} vllm {t_v:.2f} | "
+              + "  ".join(f"{k} {cell[k]}" for k in VARIANTS[row]), flush=True)
     print("registers (quote launch): " + "  ".join(f"{r}:{n} {v}" for (r, n), v in regs.items()), flush=True)
 
 
