@@ -248,6 +248,61 @@ def time_rows(passes: int) -> None:
     print("registers (quote launch): " + "  ".join(f"{r}:{n} {v}" for (r, n), v in regs.items()), flush=True)
 
 
+def stamp_rows(replays: int = 30) -> None:
+    """%globaltimer stamps (STAMPS=1) of c5's launch on both goal rows and histories, each replay a
+    cold one (a graph of the 96 MB memset and the kernel): when programs start, when their length
+    and their scan are done, when their ticket returns, and the finisher's max and draft reads.
+    Medians over replays, µs after the first program's start; time_graph of the kernel with and
+    without stamps beside them (the stamps' own cost)."""
+    import statistics
+
+    from kernels.lookup_scan.triton import block_tokens, lookup_scan_fwd, workspace_numel
+
+    scrub = torch.empty(96 << 20, dtype=torch.int8, device="cuda")
+    for row, (config, opts) in (("a", VARIANTS["a"]["c5"]), ("b", VARIANTS["b"]["c5"])):
+        for kind in ("quote", "lowent"):
+            _, _, tok, lens, mn, mx = _setup(row, kind)
+            B = tok.shape[0]
+            P = min(-(-tok.shape[1] // block_tokens(config)), max(8, config[3] // B))  # the launcher's grid
+            st = torch.zeros(B, P, 8, dtype=torch.int64, device="cuda")
+            ws = torch.zeros(workspace_numel(B, slots=True), dtype=torch.int64, device="cuda")
+            sw = {**opts, "STAMPS": 1}
+
+            def fn(sw=sw, ws=ws, st=st, tok=tok, lens=lens, mn=mn, mx=mx):
+                return lookup_scan_fwd(tok, lens, mn, mx, K_DRAFT, None, ws, None, None, config, sw, stamps=st)
+
+            t_st = time_graph(fn)
+            t_plain = time_graph(_fn(tok, lens, mn, mx, config, opts, None))
+            g = torch.cuda.CUDAGraph()
+            fn()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g):
+                scrub.zero_()
+                fn()
+            cols: dict[str, list[float]] = {}
+            for _ in range(replays):
+                st.zero_()
+                g.replay()
+                torch.cuda.synchronize()
+                x = st.cpu().double()
+                t0 = x[..., 0].min()
+                us = (x - t0) / 1e3  # [B, P, 8] µs after the first start
+                fin = x[..., 4] > 0  # [B, P] the finishers
+                vals = {
+                    "start med": us[..., 0].median(), "start max": us[..., 0].max(),
+                    "len-start med": (us[..., 1] - us[..., 0]).median(),
+                    "scan done med": us[..., 2].median(), "scan done max": us[..., 2].max(),
+                    "ticket-scan med": (us[..., 3] - us[..., 2]).median(),
+                    "ticket max": us[..., 3].max(),
+                    "fin ticket": us[..., 3][fin].max(), "fin max read": (us[..., 4] - us[..., 3])[fin].max(),
+                    "fin draft read": (us[..., 5] - us[..., 4])[fin].max(), "fin done": us[..., 5][fin].max(),
+                }
+                for k, v in vals.items():
+                    cols.setdefault(k, []).append(float(v))
+            print(f"stamps row {row} {kind:6s} (P={P}, B={B}) graph µs: plain {t_plain:.2f}, stamped {t_st:.2f} | "
+                  + "  ".join(f"{k} {statistics.median(v):.2f}" for k, v in cols.items()), flush=True)
+
+
 def _regs() -> str:
     from kernels.lookup_scan.triton import LAST_KERNEL
 
@@ -311,6 +366,7 @@ def main() -> None:
     ap.add_argument("--fences", default="1,3,4", help="--ab / --precompile: FENCE values")
     ap.add_argument("--no-variants", action="store_true", help="--precompile: only the --ab and GPU-test launches")
     ap.add_argument("--candidates", default="", help="--precompile: bench rows of these triton.CANDIDATES, not --fences")
+    ap.add_argument("--stamps", action="store_true", help="%%globaltimer stamps of c5 on both goal rows")
     ap.add_argument("--sweep2", action="store_true", help="goal rows over tiles x switches (with --precompile: compile them)")
     ap.add_argument("--pick", default=None, help="--sweep2: write the picks here (bench.py --auto)")
     ap.add_argument("--auto", default=None, help="a --sweep2 pick file: registers candidates auto, auto2")
@@ -328,6 +384,8 @@ def main() -> None:
         ab([int(x) for x in args.sizes.split(",")], fences)
     if args.time:
         time_rows(args.passes)
+    if args.stamps:
+        stamp_rows()
     if args.eager:
         eager(*args.eager)
 

@@ -213,18 +213,28 @@ def _tile_best(cols, s, base, L, active, ROWS: tl.constexpr, NV: tl.constexpr, H
 
 
 @triton.jit
+def _stamp(dep):
+    """%globaltimer (ns), read once `dep` is available (STAMPS=1 diagnostics, prof.py --stamps)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def lookup_scan_kernel(
-    tokens, s_tok, req_idx, seq_lens, drafts, num_valid, ws, ws_slots,
+    tokens, s_tok, req_idx, seq_lens, drafts, num_valid, ws, ws_slots, stamps,
     S, P, B,
     MIN_N: tl.constexpr, MAX_N: tl.constexpr, K_DRAFT: tl.constexpr, KP: tl.constexpr,
     ROWS: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr, HAS_REQ_IDX: tl.constexpr,
     POS_BITS: tl.constexpr, FENCE: tl.constexpr, ORDER: tl.constexpr,
     FAST: tl.constexpr = 0, FOLD: tl.constexpr = 1, SUFFIX_AT_S: tl.constexpr = 0,
     SPREAD: tl.constexpr = 0, COVER: tl.constexpr = 0, EDGE_ONLY: tl.constexpr = 0, TICKETS: tl.constexpr = 0,
-    HIT: tl.constexpr = 0, SLOTS: tl.constexpr = 0, MP: tl.constexpr = 1,
+    HIT: tl.constexpr = 0, SLOTS: tl.constexpr = 0, MP: tl.constexpr = 1, STAMPS: tl.constexpr = 0,
 ):
     BLOCK: tl.constexpr = ROWS * 4 * NV
     i_p, i_b = tl.program_id(0), tl.program_id(1)
+    if STAMPS:  # timing only: int64 [B, P, 8] ns stamps (entry, length, scan done, ticket, max, draft)
+        p_st = stamps + (i_b * P + i_p) * 8
+        t_entry = _stamp(i_p)
     # The request's two int32 words: SPREAD=0 packs every request's max in ws[0:B] and its ticket
     # in ws[B:2B] (all of a batch's tickets on one line: at 256K B8, 1024 atomics on one 64-byte
     # line); SPREAD=1 gives each request its own 128-byte line, max and ticket in different halves.
@@ -244,6 +254,8 @@ def lookup_scan_kernel(
         # barrier and it does not wait for loads: the tile is in flight before the length is asked.
         tl.debug_barrier()
     L = tl.load(seq_lens + row).to(tl.int32)
+    if STAMPS:
+        t_len = _stamp(L)
     n_tiles = tl.cdiv(L - 1, BLOCK)
     # Programs with no end position to scan take no ticket: the finisher counts n_act tickets.
     n_act = tl.maximum(tl.minimum(n_tiles, P), 1)
@@ -262,6 +274,10 @@ def lookup_scan_kernel(
             cols_t = _load_tile(p_h, t * BLOCK, S, ROWS, NV, HV)
             best = tl.maximum(best, _tile_best(cols_t, s, t * BLOCK, L, True, ROWS, NV, HV, MIN_N, MAX_N,
                                                POS_BITS, FAST, EDGE_ONLY, HIT))
+    if STAMPS:
+        tl.store(p_st, t_entry)
+        tl.store(p_st + 1, t_len)
+        tl.store(p_st + 2, _stamp(best))
     if FOLD == 0:  # timing only (opts): no fold, no draft; the store keeps the scan alive
         if best < 0:
             tl.store(w_max, best)
@@ -328,6 +344,8 @@ def lookup_scan_kernel(
                 # acq_rel: it acquired every member's release on the group word; passes them on
                 ticket = tl.atomic_add(w_tk, 1, sem="acq_rel")
             n_fin = tl.minimum(n_act, TICKETS)
+        if STAMPS:
+            tl.store(p_st + 3, _stamp(ticket))
         if ticket == n_fin - 1:
             # Last program of the request: every max is visible (acquire); plain loads/stores
             # suffice, no other program touches the two words again in this launch.
@@ -338,6 +356,8 @@ def lookup_scan_kernel(
                 best = tl.load(w_max + dep, volatile=True)
             else:
                 best = tl.load(w_max, volatile=True)
+            if STAMPS:
+                tl.store(p_st + 4, _stamp(best))
             o_d = tl.arange(0, KP)
             if SLOTS:
                 # the slots of every match length, loaded beside the max (no dependence on it)
@@ -360,6 +380,8 @@ def lookup_scan_kernel(
             else:
                 d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
             out = tl.where(o_d < nv, d_tok, s[0]).to(tl.int64)
+            if STAMPS:
+                tl.store(p_st + 5, _stamp(tl.sum(out, axis=0)))
             tl.store(drafts + i_b * K_DRAFT + o_d, out, mask=o_d < K_DRAFT)
             tl.store(num_valid + i_b, nv.to(tl.int32))
 
@@ -376,11 +398,13 @@ def lookup_scan_fwd(
     programs_per_request: int | None = None,
     config: Config | None = None,
     opts: dict[str, int] | None = None,
+    stamps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher; see kernels.lookup_scan.lookup_scan for the contract.  ``config`` = (NV, G,
     warps, programs-per-launch cap, FENCE, ORDER) picks the tile, the fold and the load order
     (bench.py --sweep); default by B * S (default_config).  ``opts``: kernel switches for
-    measurements (FAST, FOLD, SUFFIX_AT_S; prof.py), FOLD=0 and SUFFIX_AT_S=1 are timing only."""
+    measurements (FAST, FOLD, SUFFIX_AT_S; prof.py), FOLD=0 and SUFFIX_AT_S=1 are timing only;
+    ``stamps``: int64 [B, P, 8] zeros for STAMPS=1 (prof.py --stamps, GPU only)."""
     if not 1 <= min_n <= max_n or max_n > 31 or num_draft < 1:
         raise ValueError(f"need 1 <= min_n <= max_n <= 31 and num_draft >= 1, got {min_n}, {max_n}, {num_draft}")
     if token_ids.stride(-1) != 1 or token_ids.dtype not in (torch.int32, torch.int64):
@@ -412,7 +436,8 @@ def lookup_scan_fwd(
     maxnreg = kw.pop("MAXNREG", None)
     LAST_KERNEL[0] = lookup_scan_kernel[(P, B)](
         token_ids, token_ids.stride(0), req_indices if req_indices is not None else seq_lens, seq_lens,
-        drafts, num_valid, workspace.view(torch.int32), workspace[16 * B:], S, P, B,
+        drafts, num_valid, workspace.view(torch.int32), workspace[16 * B:],
+        stamps if stamps is not None else workspace, S, P, B,
         MIN_N=min_n, MAX_N=max_n, K_DRAFT=num_draft, KP=triton.next_power_of_2(num_draft),
         MP=triton.next_power_of_2(max_n - min_n + 1) if kw.get("SLOTS") else 1,
         ROWS=32 * nw * g, NV=nv, HV=triton.cdiv(max_n - 1, 4), HAS_REQ_IDX=req_indices is not None,
