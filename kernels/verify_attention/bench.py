@@ -1,7 +1,7 @@
 """Benchmark: split-KV verify attention vs vLLM 0.32.0's unified_attention vs torch SDPA (H200).
 
     python -m kernels.verify_attention.bench [--sweep] [--json PATH] [--quick] [--triton] [--no-vllm]
-        [--no-sdpa] [--no-mma] [--fixed-cost] [--before-dir DIR] [--node-costs[-only]]
+        [--no-sdpa] [--no-mma] [--fixed-cost] [--before-dir DIR] [--node-costs[-only]] [--ceiling-only]
 
 Measures the device's copy bandwidth first, then times every provider with CUDA-graph replay
 and a cold L2 (a 256 MiB buffer is read before every replay), median of the replays.
@@ -628,6 +628,73 @@ def node_costs(flush: torch.Tensor, bw: float, results: list, before_mod: Any = 
         torch.cuda.empty_cache()
 
 
+def stream_ceiling(flush: torch.Tensor, bw: float, results: list) -> None:
+    """Issue 6: is >= 80% of copy reachable at all for a read of this cache at 100K, batch 1?
+
+    Times the pure-read probes of ceiling_stream.py (TMA bulk ring, 16-byte loads over whole
+    pages, per-head windows) beside ceiling.py's split-grid probe and an empty node, on page 16
+    with random pages (800K-token pool, as the main table), page 16 with a contiguous block table,
+    and page 1,616 with random pages; each probe's word sum is checked against torch's first.
+    Two rounds (the second in reverse order); % is of prob.int8_bytes (the attention's bytes) over
+    the round's µs, as the main table, and "net" subtracts the empty node (graph launch + events).
+    """
+    from kernels.verify_attention import ceiling_stream as cs
+    from kernels.verify_attention import cuda as vc
+    from kernels.verify_attention.ceiling import probe as split_probe
+
+    empty = torch.cuda._compile_kernel('extern "C" __global__ void va_empty() {}', "va_empty")
+    ctx = 100_000
+    vc.precompile(cs.jobs(cs.DEFAULT_PROBES, (16, 1616)))
+    pool16 = make_pool(8 * ctx + 64, 16, HKV, D)
+    prob16 = Problem(pool16, 1, ctx, 1, HQ)
+    nblk = prob16.block_table.shape[1]
+    flat = torch.arange(nblk, dtype=torch.int32, device="cuda").view(1, nblk)
+    pool1616 = make_pool(ctx + 4096, 1616, HKV, D)
+    prob1616 = Problem(pool1616, 1, ctx, 1, HQ)
+    setups = (("p16 random", pool16, prob16, prob16.block_table), ("p16 contig", pool16, prob16, flat),
+              ("p1616 random", pool1616, prob1616, prob1616.block_table))  # fmt: skip
+    entries: list[tuple[str, Callable[[], object], int, str]] = [
+        ("empty node", lambda: empty(grid=(1, 1, 1), block=(32, 1, 1), args=[]), prob16.int8_bytes, "-")
+    ]
+    for name, pool, prob, bt in setups:
+        entries.append((f"{name} split-grid probe (ceiling.py)",
+                        split_probe(pool.k, bt, prob.seq_lens, prob.cu_q, 1, HQ), prob.int8_bytes, "-"))  # fmt: skip
+        sums = {h: cs.expected_sum(pool, bt, ctx, h) for h in (False, True)}
+        for p in cs.DEFAULT_PROBES:
+            label = f"{name} {p.label}"
+            try:
+                run, sink = cs.launcher(p, pool, bt, ctx)
+                run()
+                torch.cuda.synchronize()
+                got = cs.sink_sum(sink)
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                print(f"{label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            ok = "ok" if got == sums[p.kind == "head"] else f"SUM MISMATCH {got:#x} vs {sums[p.kind == 'head']:#x}"
+            print(f"{label}: {ok}", flush=True)
+            if ok == "ok":
+                entries.append((label, run, prob.int8_bytes, ok))
+    times: dict[str, list[float]] = {e[0]: [] for e in entries}
+    for order in (entries, entries[::-1]):
+        for label, fn, _, _ in order:
+            times[label].append(time_graph(fn, flush))
+    e_us = statistics.median(times["empty node"])
+    print(f"{'case (100K keys, batch 1, D=256, 4 KV heads)':<52} {'us r1':>7} {'us r2':>7} {'%copy':>6} "
+          f"{'net %':>6}  check", flush=True)  # fmt: skip
+    for label, _, nbytes, ok in entries:
+        r1, r2 = times[label]
+        best = min(r1, r2)
+        pct = 100 * nbytes / best / 1e3 / bw
+        net = 100 * nbytes / max(best - e_us, 1e-3) / 1e3 / bw
+        results.append({"case": f"ceiling {label}", "us": [r1, r2], "pct_copy": pct, "pct_copy_net": net,
+                        "check": ok})  # fmt: skip
+        print(f"{label:<52} {r1:7.1f} {r2:7.1f} {pct:5.1f}% {net:5.1f}%  {ok}", flush=True)
+    floor = prob16.int8_bytes / bw / 1e3
+    print(f"copy {bw:.0f} GB/s: floor {floor:.1f} us, 80% = {floor / 0.8:.1f} us", flush=True)
+    del pool16, pool1616
+    torch.cuda.empty_cache()
+
+
 def triton_next_pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
@@ -656,6 +723,8 @@ def main() -> None:
     ap.add_argument("--node-costs", action="store_true",
                     help="fixed cost per pool size (100K b1, T=1/8): nodes, candidates, ceiling probe")
     ap.add_argument("--node-costs-only", action="store_true", help="stop after --node-costs")  # fmt: skip
+    ap.add_argument("--ceiling-only", action="store_true",
+                    help="pure-read ceiling probes at 100K b1 (ceiling_stream.py), then stop")  # fmt: skip
     ap.add_argument("--before-src", default=None, help="the .cu of commit 1344eca, timed as 'before-1344eca'")
     ap.add_argument("--before-dir", default=None,
                     help="a folder with the previous commit's cuda/__init__.py and verify_attention.cu: "
@@ -676,6 +745,11 @@ def main() -> None:
         print("vLLM reference files not found: set VLLM_REF_DIR (see module docstring)")
 
     before_mod = load_before(args.before_dir) if args.before_dir else None
+    if args.ceiling_only:
+        stream_ceiling(flush, bw, results)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        return
     if args.node_costs or args.node_costs_only:
         node_costs(flush, bw, results, before_mod)
         if args.node_costs_only:
