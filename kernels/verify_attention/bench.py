@@ -688,7 +688,8 @@ def stream_ceiling(flush: torch.Tensor, bw: float, results: list) -> None:
         net = 100 * nbytes / max(best - e_us, 1e-3) / 1e3 / bw
         results.append({"case": f"ceiling {label}", "us": [r1, r2], "pct_copy": pct, "pct_copy_net": net,
                         "check": ok})  # fmt: skip
-        print(f"{label:<52} {r1:7.1f} {r2:7.1f} {pct:5.1f}% {net:5.1f}%  {ok}", flush=True)
+        cells = "     -      -" if label == "empty node" else f"{pct:5.1f}% {net:5.1f}%"
+        print(f"{label:<52} {r1:7.1f} {r2:7.1f} {cells}  {ok}", flush=True)
     floor = prob16.int8_bytes / bw / 1e3
     print(f"copy {bw:.0f} GB/s: floor {floor:.1f} us, 80% = {floor / 0.8:.1f} us", flush=True)
     del pool16, pool1616
