@@ -114,7 +114,8 @@ class ToyWorker:
 def _scheduler(manager: KVCacheManager, request: Request) -> types.SimpleNamespace:
     """What Scheduler._reserve_eot_snapshots / _resolve_eot_snapshots read of `self`."""
     sched = types.SimpleNamespace(kv_cache_manager=manager, requests={request.request_id: request},
-                                  running=[request], parallel_config=types.SimpleNamespace(pipeline_parallel_size=1))
+                                  running=[request], parallel_config=types.SimpleNamespace(
+                                      pipeline_parallel_size=1, prefill_context_parallel_size=1))
     sched._eot_snapshot_managers = types.MethodType(Scheduler._eot_snapshot_managers, sched)
     return sched
 
