@@ -89,6 +89,9 @@ CANDIDATES["c5"] = (4, (_C1, _C1, _C4_T2, {**_C1, "HIT": 3, "SHORT": _SHORT_B}))
 # c6 = c5 + SLOTS on every tier: the finisher reads the winner's draft from its tagged slot in the
 # same trip as the max instead of a dependent gather from the history (NOTES.md, session 4; slower).
 CANDIDATES["c6"] = (4, tuple({**t, "SLOTS": 1} for t in CANDIDATES["c5"][1]))
+# c7 = c5 with FENCE 5 (ticket first; leaders publish after it; the finisher waits for announced
+# leaders and takes its own prefetched draft when it holds the winner: triton._fold_leader_first).
+CANDIDATES["c7"] = (5, CANDIDATES["c5"][1])
 # H200 call 2 of 2026-11-30 (session 4; ours = c4, c1 and c5 beside it, two bench passes): by the rule
 # fixed before the call (NOTES.md) c5 is eligible (worst row 1.056x c1, geometric mean 0.987, 256K B8
 # n5-5 6.39 / 6.76 µs vs c1 6.71 / 7.81) and c4 is not (1.072x on 8K B8 n5-5 vocab 8, a row where
@@ -96,6 +99,8 @@ CANDIDATES["c6"] = (4, tuple({**t, "SLOTS": 1} for t in CANDIDATES["c5"][1]))
 # H200 call 4 (ours = c6, c5 beside it): c6 loses on 31 of 32 rows (the leader's own gather and slot
 # stores sit before its release, on the critical path): c5 stays (NOTES.md).
 DEFAULT = "c5"
+# Tentative for H200 call 6 (session 4): ours = c7, c5 beside it; NOTES.md's rule decides what stays.
+DEFAULT = "c7"
 
 
 def _tier(work: int) -> int:

@@ -45,12 +45,14 @@ VARIANTS = {
         "sfx~": (_A4, {**_SC, "SUFFIX_AT_S": 1}),
         "nofold sfx~": (_A4, {**_SC, "FOLD": 0, "SUFFIX_AT_S": 1}),
         "F1": (_A, _SC),
+        "c7": ((2, 1, 1, 4096, 5, 0), _SC),
     },
     "b": {
         "c5": (_B5, _F2H3),
         "nofold~": (_B5, {**_F2H3, "FOLD": 0}),
         "sfx~": (_B5, {**_F2H3, "SUFFIX_AT_S": 1}),
         "c1": (_B4, _SC),
+        "c7": ((1, 4, 4, 1024, 5, 0), _F2H3),
     },
 }
 
@@ -259,7 +261,8 @@ def stamp_rows(replays: int = 30) -> None:
     from kernels.lookup_scan.triton import block_tokens, lookup_scan_fwd, workspace_numel
 
     scrub = torch.empty(96 << 20, dtype=torch.int8, device="cuda")
-    for row, (config, opts) in (("a", VARIANTS["a"]["c5"]), ("b", VARIANTS["b"]["c5"])):
+    for row, name in (("a", "c5"), ("a", "c7"), ("b", "c5"), ("b", "c7")):
+        config, opts = VARIANTS[row][name]
         for kind in ("quote", "lowent"):
             _, _, tok, lens, mn, mx = _setup(row, kind)
             B = tok.shape[0]
@@ -299,7 +302,7 @@ def stamp_rows(replays: int = 30) -> None:
                 }
                 for k, v in vals.items():
                     cols.setdefault(k, []).append(float(v))
-            print(f"stamps row {row} {kind:6s} (P={P}, B={B}) graph µs: plain {t_plain:.2f}, stamped {t_st:.2f} | "
+            print(f"stamps {name} row {row} {kind:6s} (P={P}, B={B}) graph µs: plain {t_plain:.2f}, stamped {t_st:.2f} | "
                   + "  ".join(f"{k} {statistics.median(v):.2f}" for k, v in cols.items()), flush=True)
 
 

@@ -213,6 +213,54 @@ def _tile_best(cols, s, base, L, active, ROWS: tl.constexpr, NV: tl.constexpr, H
 
 
 @triton.jit
+def _fold_leader_first(best, L, s0, p_h, w_max, w_tk, n_fin, p_drafts, p_nv, p_st,
+                       K_DRAFT: tl.constexpr, KP: tl.constexpr, POS_BITS: tl.constexpr, STAMPS: tl.constexpr):
+    """FENCE 5: the fold with the ticket first.  The ticket word counts arrivals in its low 16
+    bits and, above them, the programs that arrived with a match not yet published.  A program
+    with a match (a leader) prefetches its own draft, then takes its ticket (acquire, no MEMBAR,
+    so the prefetch stays in flight) announcing itself; if it is not the last it publishes its max
+    and withdraws its announcement with a release.  The last program waits (acquire RMWs of 0)
+    until no announcement but its own is left, so every max is visible, then reads the max.  On a
+    quoting history the one leader is usually the last (it alone runs the scoring): it then pays
+    one atomic instead of max + fence + ticket, and its draft is already in registers."""
+    H: tl.constexpr = 1 << 16  # programs per request < 2**15 (P <= 8192), so the word stays positive
+    o_d = tl.arange(0, KP)
+    mine = best > 0
+    st_own = best & ((1 << POS_BITS) - 1)
+    nv_own = tl.where(mine, tl.minimum(L - st_own, K_DRAFT), 0)
+    d_own = tl.load(p_h + st_own + o_d, mask=o_d < nv_own, other=0)  # issued before the ticket
+    if mine:
+        t = tl.atomic_add(w_tk, 1 + H, sem="acquire")
+    else:
+        t = tl.atomic_add(w_tk, 1, sem="acquire")
+    if STAMPS:
+        tl.store(p_st + 3, _stamp(t))
+    if (t & (H - 1)) == n_fin - 1:
+        pend = t >> 16  # leaders that arrived before this program and have not published yet
+        while pend > 0:
+            pend = (tl.atomic_add(w_tk, 0, sem="acquire") >> 16) - mine.to(tl.int32)
+        g = tl.maximum(tl.load(w_max, volatile=True), best)
+        if STAMPS:
+            tl.store(p_st + 4, _stamp(g))
+        tl.store(w_max, 0)
+        tl.store(w_tk, 0)
+        start = g & ((1 << POS_BITS) - 1)
+        nv = tl.where(g > 0, tl.minimum(L - start, K_DRAFT), 0)
+        if g == best:  # this program holds the winner: its prefetched draft
+            d_tok = d_own
+        else:
+            d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
+        out = tl.where(o_d < nv, d_tok, s0).to(tl.int64)
+        if STAMPS:
+            tl.store(p_st + 5, _stamp(tl.sum(out, axis=0)))
+        tl.store(p_drafts + o_d, out, mask=o_d < K_DRAFT)
+        tl.store(p_nv, nv.to(tl.int32))
+    elif mine:
+        tl.atomic_max(w_max, best, sem="relaxed")
+        tl.atomic_add(w_tk, -H, sem="release")  # orders the max before the withdrawal
+
+
+@triton.jit
 def _stamp(dep):
     """%globaltimer (ns), read once `dep` is available (STAMPS=1 diagnostics, prof.py --stamps)."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64,
@@ -281,6 +329,11 @@ def lookup_scan_kernel(
     if FOLD == 0:  # timing only (opts): no fold, no draft; the store keeps the scan alive
         if best < 0:
             tl.store(w_max, best)
+    elif FENCE == 5:
+        tl.static_assert((SPREAD == 1) & (TICKETS == 0) & (SLOTS == 0), "FENCE 5: SPREAD, no TICKETS / SLOTS")
+        if i_p < n_act:
+            _fold_leader_first(best, L, s[0], p_h, w_max, w_tk, n_act, drafts + i_b * K_DRAFT, num_valid + i_b,
+                               p_st if STAMPS else w_max, K_DRAFT, KP, POS_BITS, STAMPS)
     elif i_p < n_act:
         # TICKETS > 0: two-level tickets (timing variant): program i_p counts on group word
         # i_p % TICKETS of the request's line and the last of each group takes the request's

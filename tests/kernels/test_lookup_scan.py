@@ -121,9 +121,11 @@ def test_req_indices_and_workspace_reuse():
     ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "COVER": 1, "FAST": 2, "HIT": 2}),
     ((2, 1, 1, 64, 4, 0), 6, {"SPREAD": 1, "COVER": 1, "SLOTS": 1}),
     ((1, 1, 1, 64, 4, 0), 3, {"SPREAD": 1, "SLOTS": 1, "HIT": 3}),
+    ((2, 1, 1, 64, 5, 0), 6, {"SPREAD": 1, "COVER": 1}),
+    ((1, 1, 1, 64, 5, 0), 3, {"SPREAD": 1, "HIT": 3}),
 ], ids=["loop", "idle-nofence-order", "G2", "idle-acquire-load", "idle-acquire-tickets", "spread-cover-edge1",
         "spread-fast-loop", "two-level-tickets", "hit-xor-min", "fast2-hit-prefix-loop", "fast2-no-hit-idle",
-        "slots", "slots-loop"])
+        "slots", "slots-loop", "leader-first", "leader-first-loop"])
 def test_configs_block_loop_and_idle_programs(config, programs, opts):
     """Tile configs (NV, G, warps, cap, fence, order): P=3 loops over tiles past the program cap; P=10
     leaves programs with no tile (no ticket; the finisher counts only the active ones) on the short
@@ -135,7 +137,9 @@ def test_configs_block_loop_and_idle_programs(config, programs, opts):
     (hit test as a min of XORs / on the first MIN_N tokens / none) and FAST 2 (XOR-OR scoring at
     n 4-4; the 2-9 row goes through FAST 1's keys); SLOTS (the winner's draft read from its tagged
     slot: the repetitive and vocab-4 rows have many writers per match length, so both the slot path
-    and the history fallback run)."""
+    and the history fallback run); FENCE 5 (ticket first, leaders publish after it; the
+    interpreter runs programs in order, so the finisher's wait for unpublished leaders only runs on
+    the GPU, in test_real_lengths_gpu's c7)."""
     from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
 
     tok = torch.cat([repetitive(2, 1500, 300, seed=9), torch.randint(0, 4, (2, 1500), dtype=torch.int32)])
@@ -169,7 +173,7 @@ def test_rule_tiers():
     assert default_opts(8, 262_144, 12) == tier_candidate(DEFAULT, 3, 12)[1]
     assert default_config(8, 262_144, 5) == tier_candidate(DEFAULT, 3, 5)[0]
     # SHORT: a tier's overrides for max_n <= 5 (c4: 256K B8 n5-5 on 4-token rows)
-    assert tier_candidate("c4", 3, 5)[0][:3] == (1, 4, 4) and tier_candidate("c4", 3, 12)[0] == tiers[3]
+    assert tier_candidate("c4", 3, 5)[0][:3] == (1, 4, 4) and tier_candidate("c4", 3, 12)[0][:4] == CONFIG_LARGE[:4]
 
 
 @pytest.mark.parametrize("cand", ["c5", "c3"])
@@ -197,7 +201,7 @@ def test_rule_configs(tier, cand):
 
 
 @pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
-@pytest.mark.parametrize("cand", ["default", "c1", "c3", "c5", "c6"])
+@pytest.mark.parametrize("cand", ["default", "c1", "c3", "c5", "c6", "c7"])
 @pytest.mark.parametrize("S", [8192, 100_000, 262_144])
 @pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
 def test_real_lengths_gpu(S, min_n, max_n, cand):
