@@ -140,7 +140,7 @@ def cases(sizes) -> list[tuple[int, int, int, int, str]]:
 
 
 def _run_variant(tok, lens, mn, mx, var, out=None):
-    ws = torch.zeros(workspace_numel(tok.shape[0], slots=True), dtype=torch.int64, device="cuda")
+    ws = torch.zeros(workspace_numel(tok.shape[0]), dtype=torch.int64, device="cuda")
     return lambda: lookup_scan_fwd(tok, lens, mn, mx, K_DRAFT, None, ws, out, None, var)
 
 
@@ -167,7 +167,7 @@ def precompile_one(job: tuple) -> str:
     if who == "sweep":
         _run_variant(tok, lens, mn, mx, var)()
     elif who == "ours":
-        lookup_scan(tok, lens, mn, mx, K_DRAFT, workspace=torch.zeros(workspace_numel(B, slots=True), dtype=torch.int64, device="cuda"))
+        lookup_scan(tok, lens, mn, mx, K_DRAFT, workspace=torch.zeros(workspace_numel(B), dtype=torch.int64, device="cuda"))
     elif who == "old":
         fwd = load_baseline(Path(".baseline"))
         if fwd is not None:
@@ -314,7 +314,7 @@ def main() -> None:
                     extra = ""
                     for c in cands:  # each candidate: its own workspace and outputs, same row and data
                         cfg, opts = candidate(c, B, S, max_n)
-                        ws_c = torch.zeros(workspace_numel(B, slots=True), dtype=torch.int64, device="cuda")
+                        ws_c = torch.zeros(workspace_numel(B), dtype=torch.int64, device="cuda")
                         out_c = (torch.full((B, K_DRAFT), -7, dtype=torch.int64, device="cuda"),
                                  torch.full((B,), -7, dtype=torch.int32, device="cuda"))
                         try:

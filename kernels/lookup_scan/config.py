@@ -45,14 +45,11 @@ CONFIG_LARGE: Config = (4, 1, 4, 1024, 1, 0)
 FAST = 0
 
 
-SLOT_WORDS = 32 * 8  # int64 per request for SLOTS: 32 match lengths x KP (<= 8) draft words
-
-
-def workspace_numel(batch: int, slots: bool = False) -> int:
+def workspace_numel(batch: int) -> int:
     """int64 elements of the workspace for B requests: one 128-byte line per request (SPREAD=1;
-    SPREAD=0 uses the first 2 * B), then SLOT_WORDS per request if `slots` (SLOTS=1, not a
-    default).  Callers allocate zeros of this size once and reuse them; the kernel leaves them zero."""
-    return (16 + (SLOT_WORDS if slots else 0)) * batch
+    SPREAD=0 uses the first 2 * B).  Callers allocate zeros of this size once and reuse them; the
+    kernel leaves them zero."""
+    return 16 * batch
 
 
 def block_tokens(config: tuple[int, ...]) -> int:
@@ -86,21 +83,14 @@ _C4_T2 = {**_C1, "FAST": 2, "HIT": 3}
 _SHORT_B = {"TILE": (1, 4, 4, 1024, 0), "FAST": 2, "HIT": 3}
 CANDIDATES["c4"] = (4, (_C1, _C1, _C4_T2, {**_C1, "SHORT": _SHORT_B}))
 CANDIDATES["c5"] = (4, (_C1, _C1, _C4_T2, {**_C1, "HIT": 3, "SHORT": _SHORT_B}))
-# c6 = c5 + SLOTS on every tier: the finisher reads the winner's draft from its tagged slot in the
-# same trip as the max instead of a dependent gather from the history (NOTES.md, session 4; slower).
-CANDIDATES["c6"] = (4, tuple({**t, "SLOTS": 1} for t in CANDIDATES["c5"][1]))
-# c7 = c5 with FENCE 5 (ticket first; leaders publish after it; the finisher waits for announced
-# leaders and takes its own prefetched draft when it holds the winner: triton._fold_leader_first).
-CANDIDATES["c7"] = (5, CANDIDATES["c5"][1])
+# Tried and dropped in session 4 (H200, NOTES.md): c6 = c5 + SLOTS (tagged draft slots, commit 74ac6ef)
+# and c7 = c5 with FENCE 5 (ticket first, commit 0049e9d), both slower than c5 on most rows.
 # H200 call 2 of 2026-11-30 (session 4; ours = c4, c1 and c5 beside it, two bench passes): by the rule
 # fixed before the call (NOTES.md) c5 is eligible (worst row 1.056x c1, geometric mean 0.987, 256K B8
 # n5-5 6.39 / 6.76 µs vs c1 6.71 / 7.81) and c4 is not (1.072x on 8K B8 n5-5 vocab 8, a row where
 # its code is c1's: noise, but the rule is the rule).
-# H200 call 4 (ours = c6, c5 beside it): c6 loses on 31 of 32 rows (the leader's own gather and slot
-# stores sit before its release, on the critical path): c5 stays (NOTES.md).
+# H200 calls 4 and 6: c6 and c7 lose to c5 on most rows (NOTES.md): c5 stays.
 DEFAULT = "c5"
-# Tentative for H200 call 6 (session 4): ours = c7, c5 beside it; NOTES.md's rule decides what stays.
-DEFAULT = "c7"
 
 
 def _tier(work: int) -> int:

@@ -34,7 +34,6 @@ from kernels.lookup_scan.config import (  # noqa: F401 (re-exported: tests and t
     DEFAULT,
     FAST,
     RULE,
-    SLOT_WORDS,
     Config,
     block_tokens,
     candidate,
@@ -213,54 +212,6 @@ def _tile_best(cols, s, base, L, active, ROWS: tl.constexpr, NV: tl.constexpr, H
 
 
 @triton.jit
-def _fold_leader_first(best, L, s0, p_h, w_max, w_tk, n_fin, p_drafts, p_nv, p_st,
-                       K_DRAFT: tl.constexpr, KP: tl.constexpr, POS_BITS: tl.constexpr, STAMPS: tl.constexpr):
-    """FENCE 5: the fold with the ticket first.  The ticket word counts arrivals in its low 16
-    bits and, above them, the programs that arrived with a match not yet published.  A program
-    with a match (a leader) prefetches its own draft, then takes its ticket (acquire, no MEMBAR,
-    so the prefetch stays in flight) announcing itself; if it is not the last it publishes its max
-    and withdraws its announcement with a release.  The last program waits (acquire RMWs of 0)
-    until no announcement but its own is left, so every max is visible, then reads the max.  On a
-    quoting history the one leader is usually the last (it alone runs the scoring): it then pays
-    one atomic instead of max + fence + ticket, and its draft is already in registers."""
-    H: tl.constexpr = 1 << 16  # programs per request < 2**15 (P <= 8192), so the word stays positive
-    o_d = tl.arange(0, KP)
-    mine = best > 0
-    st_own = best & ((1 << POS_BITS) - 1)
-    nv_own = tl.where(mine, tl.minimum(L - st_own, K_DRAFT), 0)
-    d_own = tl.load(p_h + st_own + o_d, mask=o_d < nv_own, other=0)  # issued before the ticket
-    if mine:
-        t = tl.atomic_add(w_tk, 1 + H, sem="acquire")
-    else:
-        t = tl.atomic_add(w_tk, 1, sem="acquire")
-    if STAMPS:
-        tl.store(p_st + 3, _stamp(t))
-    if (t & (H - 1)) == n_fin - 1:
-        pend = t >> 16  # leaders that arrived before this program and have not published yet
-        while pend > 0:
-            pend = (tl.atomic_add(w_tk, 0, sem="acquire") >> 16) - mine.to(tl.int32)
-        g = tl.maximum(tl.load(w_max, volatile=True), best)
-        if STAMPS:
-            tl.store(p_st + 4, _stamp(g))
-        tl.store(w_max, 0)
-        tl.store(w_tk, 0)
-        start = g & ((1 << POS_BITS) - 1)
-        nv = tl.where(g > 0, tl.minimum(L - start, K_DRAFT), 0)
-        if g == best:  # this program holds the winner: its prefetched draft
-            d_tok = d_own
-        else:
-            d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
-        out = tl.where(o_d < nv, d_tok, s0).to(tl.int64)
-        if STAMPS:
-            tl.store(p_st + 5, _stamp(tl.sum(out, axis=0)))
-        tl.store(p_drafts + o_d, out, mask=o_d < K_DRAFT)
-        tl.store(p_nv, nv.to(tl.int32))
-    elif mine:
-        tl.atomic_max(w_max, best, sem="relaxed")
-        tl.atomic_add(w_tk, -H, sem="release")  # orders the max before the withdrawal
-
-
-@triton.jit
 def _stamp(dep):
     """%globaltimer (ns), read once `dep` is available (STAMPS=1 diagnostics, prof.py --stamps)."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64,
@@ -269,14 +220,14 @@ def _stamp(dep):
 
 @triton.jit
 def lookup_scan_kernel(
-    tokens, s_tok, req_idx, seq_lens, drafts, num_valid, ws, ws_slots, stamps,
+    tokens, s_tok, req_idx, seq_lens, drafts, num_valid, ws, stamps,
     S, P, B,
     MIN_N: tl.constexpr, MAX_N: tl.constexpr, K_DRAFT: tl.constexpr, KP: tl.constexpr,
     ROWS: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr, HAS_REQ_IDX: tl.constexpr,
     POS_BITS: tl.constexpr, FENCE: tl.constexpr, ORDER: tl.constexpr,
     FAST: tl.constexpr = 0, FOLD: tl.constexpr = 1, SUFFIX_AT_S: tl.constexpr = 0,
     SPREAD: tl.constexpr = 0, COVER: tl.constexpr = 0, EDGE_ONLY: tl.constexpr = 0, TICKETS: tl.constexpr = 0,
-    HIT: tl.constexpr = 0, SLOTS: tl.constexpr = 0, MP: tl.constexpr = 1, STAMPS: tl.constexpr = 0,
+    HIT: tl.constexpr = 0, STAMPS: tl.constexpr = 0,
 ):
     BLOCK: tl.constexpr = ROWS * 4 * NV
     i_p, i_b = tl.program_id(0), tl.program_id(1)
@@ -329,11 +280,6 @@ def lookup_scan_kernel(
     if FOLD == 0:  # timing only (opts): no fold, no draft; the store keeps the scan alive
         if best < 0:
             tl.store(w_max, best)
-    elif FENCE == 5:
-        tl.static_assert((SPREAD == 1) & (TICKETS == 0) & (SLOTS == 0), "FENCE 5: SPREAD, no TICKETS / SLOTS")
-        if i_p < n_act:
-            _fold_leader_first(best, L, s[0], p_h, w_max, w_tk, n_act, drafts + i_b * K_DRAFT, num_valid + i_b,
-                               p_st if STAMPS else w_max, K_DRAFT, KP, POS_BITS, STAMPS)
     elif i_p < n_act:
         # TICKETS > 0: two-level tickets (timing variant): program i_p counts on group word
         # i_p % TICKETS of the request's line and the last of each group takes the request's
@@ -348,18 +294,6 @@ def lookup_scan_kernel(
             # program of a quoting history pays no MEMBAR (FENCE 1's finisher pays one, ~0.3 µs
             # by FENCE 0's measurement).
             if best > 0:
-                if SLOTS:
-                    # This program's draft, tagged with its score, into the slot of its match length
-                    # (one int64 word per token: score << 32 | token, a relaxed atomic each so racing
-                    # writers never tear a word); released with the ticket below.  The finisher then
-                    # reads the winner's draft in the same trip as the max (NOTES.md, session 4).
-                    o_k = tl.arange(0, KP)
-                    st = best & ((1 << POS_BITS) - 1)
-                    nv_own = tl.minimum(L - st, K_DRAFT)
-                    d_own = tl.load(p_h + st + o_k, mask=o_k < nv_own, other=0).to(tl.int64)
-                    word = (best.to(tl.int64) << 32) | (d_own & 0xFFFFFFFF)
-                    slot = ws_slots + (i_b * 32 + (best >> POS_BITS)) * KP + o_k
-                    tl.atomic_xchg(slot, word, mask=o_k < nv_own, sem="relaxed")
                 tl.atomic_max(w_max, best, sem="relaxed")
                 ticket = tl.atomic_add(w_t1, 1, sem="acq_rel")
             else:
@@ -412,26 +346,11 @@ def lookup_scan_kernel(
             if STAMPS:
                 tl.store(p_st + 4, _stamp(best))
             o_d = tl.arange(0, KP)
-            if SLOTS:
-                # the slots of every match length, loaded beside the max (no dependence on it)
-                o_m = tl.arange(0, MP)
-                p_sl = ws_slots + (i_b * 32 + MIN_N + o_m[:, None]) * KP + o_d[None, :]
-                sl = tl.load(p_sl, mask=o_m[:, None] <= MAX_N - MIN_N, other=0, volatile=True)
             tl.store(w_max, 0)
             tl.store(w_tk, 0)
             start = best & ((1 << POS_BITS) - 1)  # e + 1 of the winning end position
             nv = tl.where(best > 0, tl.minimum(L - start, K_DRAFT), 0)
-            if SLOTS:
-                m_i = (best >> POS_BITS) - MIN_N
-                sel = tl.sum(tl.where(o_m[:, None] == m_i, sl, 0), axis=0)  # [KP] the winner's slot
-                tl.store(p_sl, tl.zeros_like(sl), mask=o_m[:, None] <= MAX_N - MIN_N)  # leave zeros
-                good = tl.where(o_d < nv, (sel >> 32) == best.to(tl.int64), True)
-                if tl.min(good.to(tl.int32)) == 1:
-                    d_tok = sel & 0xFFFFFFFF
-                else:  # another writer of that length landed last: read the history (rare)
-                    d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0).to(tl.int64)
-            else:
-                d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
+            d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
             out = tl.where(o_d < nv, d_tok, s[0]).to(tl.int64)
             if STAMPS:
                 tl.store(p_st + 5, _stamp(tl.sum(out, axis=0)))
@@ -469,9 +388,7 @@ def lookup_scan_fwd(
     S = token_ids.shape[1]
     nv, g, nw, cap, fence, order = config or default_config(B, S, max_n)
     kw = {**(default_opts(B, S, max_n) if config is None else {}), **(opts or {})}
-    if kw.get("SLOTS") and (not kw.get("SPREAD") or int(fence) != 4 or kw.get("TICKETS") or num_draft > 8):
-        raise ValueError("SLOTS needs SPREAD, FENCE 4, no TICKETS and num_draft <= 8")
-    need = workspace_numel(B, bool(kw.get("SLOTS"))) if kw.get("SPREAD") else 2 * B
+    need = workspace_numel(B) if kw.get("SPREAD") else 2 * B
     if workspace is None:
         workspace = torch.zeros(need, dtype=torch.int64, device=dev)
     elif workspace.dim() != 1 or workspace.numel() < need or workspace.dtype != torch.int64 or not workspace.is_contiguous():
@@ -489,10 +406,8 @@ def lookup_scan_fwd(
     maxnreg = kw.pop("MAXNREG", None)
     LAST_KERNEL[0] = lookup_scan_kernel[(P, B)](
         token_ids, token_ids.stride(0), req_indices if req_indices is not None else seq_lens, seq_lens,
-        drafts, num_valid, workspace.view(torch.int32), workspace[16 * B:],
-        stamps if stamps is not None else workspace, S, P, B,
+        drafts, num_valid, workspace.view(torch.int32), stamps if stamps is not None else workspace, S, P, B,
         MIN_N=min_n, MAX_N=max_n, K_DRAFT=num_draft, KP=triton.next_power_of_2(num_draft),
-        MP=triton.next_power_of_2(max_n - min_n + 1) if kw.get("SLOTS") else 1,
         ROWS=32 * nw * g, NV=nv, HV=triton.cdiv(max_n - 1, 4), HAS_REQ_IDX=req_indices is not None,
         # int, not bool: FENCE 3 / 4 are protocols of their own (bool() made them FENCE 1 before 2026-11-30)
         POS_BITS=POS_BITS, FENCE=int(fence), ORDER=int(bool(order)), num_warps=nw,
