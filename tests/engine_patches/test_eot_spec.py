@@ -157,8 +157,7 @@ def run_request(manager: KVCacheManager, worker: ToyWorker, prompt: list[int], o
 
     def schedule() -> None:
         num_new = 1 + K
-        reserved = Scheduler._reserve_eot_snapshots(sched, {request.request_id: num_new},
-                                                    {request.request_id: [0] * K})
+        reserved = Scheduler._reserve_eot_snapshots(sched, {request.request_id: num_new})
         assert manager.allocate_slots(request, num_new) is not None, "pool exhausted"
         per_req = (reserved or {}).get(request.request_id)
         request.num_computed_tokens += num_new
@@ -278,4 +277,4 @@ def test_no_reservation_without_the_switch(monkeypatch: pytest.MonkeyPatch) -> N
     assert manager.allocate_slots(request, 21)
     request.num_computed_tokens = 21
     request.append_output_token_ids(5)
-    assert Scheduler._reserve_eot_snapshots(_scheduler(manager, request), {"r": 1 + K}, {"r": [0] * K}) is None
+    assert Scheduler._reserve_eot_snapshots(_scheduler(manager, request), {"r": 1 + K}) is None
