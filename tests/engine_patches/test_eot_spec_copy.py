@@ -26,14 +26,10 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, get_temporal_copy_spec  # noqa: E402
-from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec  # noqa: E402
-from vllm.v1.utils import CpuGpuBuffer  # noqa: E402
 from vllm.v1.worker import mamba_utils  # noqa: E402
 
 from tests.engine_patches.test_eot_spec import eot_spec_patched  # noqa: E402
-from tests.engine_patches.test_gdn_align import NAME, interpret_mamba_kernels  # noqa: E402
+from tests.engine_patches.test_gdn_align import align_context, interpret_mamba_kernels  # noqa: E402
 from tests.engine_patches.test_gdn_lazy import DIM, NUM_SPEC, _layer, _materialised, _metadata, _pools, _step  # noqa: E402
 
 pytestmark = pytest.mark.unit
@@ -64,18 +60,7 @@ def _expected_col(running: int, a: int) -> int | None:
 
 
 def _context(layer, conv: torch.Tensor, ssm: torch.Tensor, block_size: int) -> mamba_utils.MambaSpecDecodeGPUContext:
-    spec = MambaSpec(block_size=block_size, shapes=(tuple(conv.shape[1:]), tuple(ssm.shape[1:])),
-                     dtypes=(conv.dtype, ssm.dtype), mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
-                     mamba_cache_mode="align", num_speculative_blocks=NUM_SPEC)
-    cfg = KVCacheConfig(num_blocks=SLOTS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec([NAME], spec)])
-    funcs = {MambaAttentionBackendEnum.GDN_ATTN: (get_conv_copy_spec, get_temporal_copy_spec)}
-
-    def make_buffer(*size, dtype):
-        return CpuGpuBuffer(*size, dtype=dtype, device="cpu", with_numpy=True)
-
-    ctx = mamba_utils.MambaSpecDecodeGPUContext.create(N, cfg, funcs, torch.device("cpu"), make_buffer)
-    ctx.initialize_from_forward_context(cfg, {NAME: layer}, funcs, [BLOCKS])
-    return ctx
+    return align_context(layer, conv, ssm, N, block_size=block_size, blocks=BLOCKS, slots=SLOTS)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,6 @@ with the real Triton (its interpreter, TRITON_INTERPRET=1) and swaps the @triton
 """
 from __future__ import annotations
 
-import inspect
 import os
 import types
 
@@ -63,35 +62,28 @@ def interpret_mamba_kernels(temporal_tiles: int = 1) -> None:
     `temporal_tiles` only splits a temporal copy over more programs (1: same bytes, far fewer
     interpreted programs).
     """
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels below are decorated
-    import triton
-    from triton.runtime.interpreter import InterpretedFunction
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
+    os.environ["HYPERHARNESS_CPU_ALIGN_INTERPRET"] = "1"
+    from backend.plugin import cpu_align
 
-    kinds = (triton.runtime.JITFunction, InterpretedFunction)
-    if isinstance(getattr(mamba_utils, "batch_memcpy_kernel", None), kinds):
-        return
-    src = inspect.getsource(mamba_utils).replace(
-        "from vllm.triton_utils import tl, triton", "import triton\nimport triton.language as tl")
-    ns: dict = {"__name__": mamba_utils.__name__, "__file__": mamba_utils.__file__}
-    exec(compile(src, mamba_utils.__file__, "exec"), ns)  # noqa: S102
-    for key, value in ns.items():
-        if isinstance(value, kinds):
-            setattr(mamba_utils, key, value)
-    mamba_utils._TEMPORAL_TILES = temporal_tiles
+    if not cpu_align.install(temporal_tiles):
+        raise RuntimeError("cpu_align.install refused")
 
 
-def _context(layer, conv: torch.Tensor, ssm: torch.Tensor, n: int) -> mamba_utils.MambaSpecDecodeGPUContext:
-    spec = MambaSpec(block_size=BS, shapes=(tuple(conv.shape[1:]), tuple(ssm.shape[1:])),
+def align_context(layer, conv: torch.Tensor, ssm: torch.Tensor, n: int, *, block_size: int = BS,
+                  blocks: torch.Tensor = BLOCKS, slots: int = SLOTS) -> mamba_utils.MambaSpecDecodeGPUContext:
+    """vLLM's align-mode copy context for one GDN layer over `blocks` ([n, 2 + NUM_SPEC + ...] table)."""
+    spec = MambaSpec(block_size=block_size, shapes=(tuple(conv.shape[1:]), tuple(ssm.shape[1:])),
                      dtypes=(conv.dtype, ssm.dtype), mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
                      mamba_cache_mode="align", num_speculative_blocks=NUM_SPEC)
-    cfg = KVCacheConfig(num_blocks=SLOTS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec([NAME], spec)])
+    cfg = KVCacheConfig(num_blocks=slots, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec([NAME], spec)])
     funcs = {MambaAttentionBackendEnum.GDN_ATTN: (get_conv_copy_spec, get_temporal_copy_spec)}
 
     def make_buffer(*size, dtype):
         return CpuGpuBuffer(*size, dtype=dtype, device="cpu", with_numpy=True)
 
     ctx = mamba_utils.MambaSpecDecodeGPUContext.create(n, cfg, funcs, torch.device("cpu"), make_buffer)
-    ctx.initialize_from_forward_context(cfg, {NAME: layer}, funcs, [BLOCKS])
+    ctx.initialize_from_forward_context(cfg, {NAME: layer}, funcs, [blocks])
     return ctx
 
 
@@ -119,8 +111,8 @@ def test_align_copies_land_committed_states(runner: str, monkeypatch: pytest.Mon
     lazy, eager = _layer(False, weights, conv, ssm), _layer(True, weights, conv, ssm)
     lazy.hh_align_copies = eager.hh_align_copies = 0
     n = BLOCKS.shape[0]
-    ctx_lazy = _context(lazy, conv, ssm, n)
-    ctx_ref = _context(types.SimpleNamespace(kv_cache=eager.kv_cache), conv, ssm, n)  # no hook
+    ctx_lazy = align_context(lazy, conv, ssm, n)
+    ctx_ref = align_context(types.SimpleNamespace(kv_cache=eager.kv_cache), conv, ssm, n)  # no hook
     assert [x[0] for x in ctx_lazy.temporal_copy_layers] == [lazy] and ctx_ref.temporal_copy_layers == []
     assert int(ctx_lazy.state_inner_sizes[1]) == 0 and int(ctx_ref.state_inner_sizes[1]) == ssm[0].numel()
 
@@ -184,7 +176,7 @@ def test_hook_is_inert_without_owning_layers() -> None:
     """A layer without the hook keeps vLLM's entries (what every engine without
     HYPERHARNESS_GDN_LAZY=1 runs): nonzero temporal copy sizes, no hook calls."""
     _, conv, ssm = _pools(seed=1)
-    ctx = _context(types.SimpleNamespace(kv_cache=[conv, ssm]), conv, ssm, 2)
+    ctx = align_context(types.SimpleNamespace(kv_cache=[conv, ssm]), conv, ssm, 2)
     assert ctx.temporal_copy_layers == []
     assert ctx.state_inner_sizes.tolist() == [ctx.state_inner_sizes[0].item(), ssm[0].numel()]
 
