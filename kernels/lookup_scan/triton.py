@@ -227,7 +227,7 @@ def lookup_scan_kernel(
     POS_BITS: tl.constexpr, FENCE: tl.constexpr, ORDER: tl.constexpr,
     FAST: tl.constexpr = 0, FOLD: tl.constexpr = 1, SUFFIX_AT_S: tl.constexpr = 0,
     SPREAD: tl.constexpr = 0, COVER: tl.constexpr = 0, EDGE_ONLY: tl.constexpr = 0, TICKETS: tl.constexpr = 0,
-    HIT: tl.constexpr = 0, STAMPS: tl.constexpr = 0, PREFETCH: tl.constexpr = 0,
+    HIT: tl.constexpr = 0, STAMPS: tl.constexpr = 0,
 ):
     BLOCK: tl.constexpr = ROWS * 4 * NV
     i_p, i_b = tl.program_id(0), tl.program_id(1)
@@ -287,16 +287,6 @@ def lookup_scan_kernel(
         w_t1 = w_tk
         if TICKETS:
             w_t1 = w_tk + 1 + i_p % TICKETS
-        my_best = best
-        if PREFETCH:
-            # A program with a match loads its own draft now: on a quoting history it is usually
-            # the last to take a ticket (it alone ran the scoring), i.e. the finisher, and then
-            # holds the winner, so the finisher's dependent draft gather (~0.5 µs, NOTES.md stamps)
-            # is already done.  Its release below waits for this load as for the max.
-            o_k = tl.arange(0, KP)
-            st_own = best & ((1 << POS_BITS) - 1)
-            nv_own = tl.where(best > 0, tl.minimum(L - st_own, K_DRAFT), 0)
-            d_own = tl.load(p_h + st_own + o_k, mask=o_k < nv_own, other=0)
         if FENCE == 4:
             # Every ticket acquires (ATOM + L1 invalidate, no MEMBAR); only a program that wrote a
             # max also releases (acq_rel: MEMBAR first).  Whoever draws the last ticket has read
@@ -360,13 +350,7 @@ def lookup_scan_kernel(
             tl.store(w_tk, 0)
             start = best & ((1 << POS_BITS) - 1)  # e + 1 of the winning end position
             nv = tl.where(best > 0, tl.minimum(L - start, K_DRAFT), 0)
-            if PREFETCH:
-                if best == my_best:  # this program holds the winning score: its draft is loaded
-                    d_tok = d_own
-                else:
-                    d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
-            else:
-                d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
+            d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
             out = tl.where(o_d < nv, d_tok, s[0]).to(tl.int64)
             if STAMPS:
                 tl.store(p_st + 5, _stamp(tl.sum(out, axis=0)))
