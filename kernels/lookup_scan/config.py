@@ -83,9 +83,6 @@ _C4_T2 = {**_C1, "FAST": 2, "HIT": 3}
 _SHORT_B = {"TILE": (1, 4, 4, 1024, 0), "FAST": 2, "HIT": 3}
 CANDIDATES["c4"] = (4, (_C1, _C1, _C4_T2, {**_C1, "SHORT": _SHORT_B}))
 CANDIDATES["c5"] = (4, (_C1, _C1, _C4_T2, {**_C1, "HIT": 3, "SHORT": _SHORT_B}))
-# c9 = c5 + DRAFTMAX on every tier (the draft tokens ride with the max: the finisher reads max and
-# draft in one trip).
-CANDIDATES["c9"] = (4, tuple({**t, "DRAFTMAX": 1} for t in CANDIDATES["c5"][1]))
 # Tried and dropped in session 4 (H200, NOTES.md): c6 = c5 + SLOTS (tagged draft slots, commit 74ac6ef)
 # and c7 = c5 with FENCE 5 (ticket first, commit 0049e9d), both slower than c5 on most rows.
 # H200 call 2 of 2026-11-30 (session 4; ours = c4, c1 and c5 beside it, two bench passes): by the rule

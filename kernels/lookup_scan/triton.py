@@ -220,14 +220,14 @@ def _stamp(dep):
 
 @triton.jit
 def lookup_scan_kernel(
-    tokens, s_tok, req_idx, seq_lens, drafts, num_valid, ws, ws64, stamps,
+    tokens, s_tok, req_idx, seq_lens, drafts, num_valid, ws, stamps,
     S, P, B,
     MIN_N: tl.constexpr, MAX_N: tl.constexpr, K_DRAFT: tl.constexpr, KP: tl.constexpr,
     ROWS: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr, HAS_REQ_IDX: tl.constexpr,
     POS_BITS: tl.constexpr, FENCE: tl.constexpr, ORDER: tl.constexpr,
     FAST: tl.constexpr = 0, FOLD: tl.constexpr = 1, SUFFIX_AT_S: tl.constexpr = 0,
     SPREAD: tl.constexpr = 0, COVER: tl.constexpr = 0, EDGE_ONLY: tl.constexpr = 0, TICKETS: tl.constexpr = 0,
-    HIT: tl.constexpr = 0, STAMPS: tl.constexpr = 0, DRAFTMAX: tl.constexpr = 0,
+    HIT: tl.constexpr = 0, STAMPS: tl.constexpr = 0,
 ):
     BLOCK: tl.constexpr = ROWS * 4 * NV
     i_p, i_b = tl.program_id(0), tl.program_id(1)
@@ -294,22 +294,7 @@ def lookup_scan_kernel(
             # program of a quoting history pays no MEMBAR (FENCE 1's finisher pays one, ~0.3 µs
             # by FENCE 0's measurement).
             if best > 0:
-                if DRAFTMAX:
-                    # The draft rides with the max: word k of the request's line (int64, bytes
-                    # 8k..8k+7, k < K_DRAFT <= 8; the ticket sits at byte 64) is the max over
-                    # programs of score << 32 | draft token k, so it ends as the winner's token k
-                    # and every word's high half is the max.  The finisher reads the 64 bytes in
-                    # the max's one trip instead of max, then a dependent gather (NOTES.md stamps).
-                    # The program's own draft follows its tile (L1).
-                    tl.static_assert((SPREAD == 1) & (TICKETS == 0) & (KP <= 8), "DRAFTMAX: SPREAD, no TICKETS, k <= 8")
-                    o_k = tl.arange(0, KP)
-                    st_own = best & ((1 << POS_BITS) - 1)
-                    nv_own = tl.minimum(L - st_own, K_DRAFT)
-                    d_own = tl.load(p_h + st_own + o_k, mask=o_k < nv_own, other=0).to(tl.int64)
-                    tl.atomic_max(ws64 + i_b * 16 + o_k, (best.to(tl.int64) << 32) | (d_own & 0xFFFFFFFF),
-                                  mask=o_k < nv_own, sem="relaxed")
-                else:
-                    tl.atomic_max(w_max, best, sem="relaxed")
+                tl.atomic_max(w_max, best, sem="relaxed")
                 ticket = tl.atomic_add(w_t1, 1, sem="acq_rel")
             else:
                 ticket = tl.atomic_add(w_t1, 1, sem="acquire")
@@ -356,32 +341,16 @@ def lookup_scan_kernel(
                 # sequence; ptxas emits an acquire load: LDG.STRONG.GPU + CCTL.IVALL)
                 dep = tl.atomic_add(w_tk, 0, sem="acquire") >> 31  # 0; keeps the RMW
                 best = tl.load(w_max + dep, volatile=True)
-            elif DRAFTMAX:
-                o_w = tl.arange(0, KP)
-                words = tl.load(ws64 + i_b * 16 + o_w, volatile=True)  # [KP] score << 32 | token
-                best = tl.max(words >> 32, axis=0).to(tl.int32)
             else:
                 best = tl.load(w_max, volatile=True)
             if STAMPS:
                 tl.store(p_st + 4, _stamp(best))
             o_d = tl.arange(0, KP)
-            if DRAFTMAX:
-                tl.store(ws64 + i_b * 16 + o_d, tl.zeros([KP], dtype=tl.int64))
-            else:
-                tl.store(w_max, 0)
+            tl.store(w_max, 0)
             tl.store(w_tk, 0)
             start = best & ((1 << POS_BITS) - 1)  # e + 1 of the winning end position
             nv = tl.where(best > 0, tl.minimum(L - start, K_DRAFT), 0)
-            if DRAFTMAX:
-                # every word below nv carries the winner's score (it wrote them all); anything
-                # else would be a bug, so check it and fall back to the history rather than trust it
-                good = tl.where(o_d < nv, (words >> 32) == best.to(tl.int64), True)
-                if tl.min(good.to(tl.int32), axis=0) == 1:
-                    d_tok = words & 0xFFFFFFFF
-                else:
-                    d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0).to(tl.int64)
-            else:
-                d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
+            d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
             out = tl.where(o_d < nv, d_tok, s[0]).to(tl.int64)
             if STAMPS:
                 tl.store(p_st + 5, _stamp(tl.sum(out, axis=0)))
@@ -437,7 +406,7 @@ def lookup_scan_fwd(
     maxnreg = kw.pop("MAXNREG", None)
     LAST_KERNEL[0] = lookup_scan_kernel[(P, B)](
         token_ids, token_ids.stride(0), req_indices if req_indices is not None else seq_lens, seq_lens,
-        drafts, num_valid, workspace.view(torch.int32), workspace, stamps if stamps is not None else workspace, S, P, B,
+        drafts, num_valid, workspace.view(torch.int32), stamps if stamps is not None else workspace, S, P, B,
         MIN_N=min_n, MAX_N=max_n, K_DRAFT=num_draft, KP=triton.next_power_of_2(num_draft),
         ROWS=32 * nw * g, NV=nv, HV=triton.cdiv(max_n - 1, 4), HAS_REQ_IDX=req_indices is not None,
         # int, not bool: FENCE 3 / 4 are protocols of their own (bool() made them FENCE 1 before 2026-11-30)
