@@ -386,8 +386,12 @@ def lookup_scan_fwd(
     B = token_ids.shape[0] if req_indices is None else req_indices.shape[0]
     dev = token_ids.device
     S = token_ids.shape[1]
-    nv, g, nw, cap, fence, order = config or default_config(B, S, max_n)
-    kw = {**(default_opts(B, S, max_n) if config is None else {}), **(opts or {})}
+    if config is None:  # one lookup of the launcher default: tile and switches together
+        config, base_opts = candidate(DEFAULT, B, S, max_n)
+    else:
+        base_opts = {}
+    nv, g, nw, cap, fence, order = config
+    kw = {**base_opts, **(opts or {})}
     need = workspace_numel(B) if kw.get("SPREAD") else 2 * B
     if workspace is None:
         workspace = torch.zeros(need, dtype=torch.int64, device=dev)

@@ -160,6 +160,16 @@ CUDA_CASES = [
 ]  # fmt: skip
 
 
+def use_cuda_kernel(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
+    """Skip off sm_90; else force the CUDA backend (an error if it would fall back) and set
+    HH_VERIFY_ATTENTION_<KEY> = value for each keyword (sched, fuse, combine, partials, ...)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the CUDA kernel runs on sm_90")
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")
+    for key, value in env.items():
+        monkeypatch.setenv(f"HH_VERIFY_ATTENTION_{key.upper()}", value)
+
+
 @gpu_only
 @pytest.mark.parametrize("fuse", ["1", "0"], ids=["fused", "2node"])
 @pytest.mark.parametrize("sched", ["dyn", "static"])
@@ -170,11 +180,7 @@ def test_cuda_matches_reference(
 ):
     """The wgmma kernel with tiles from the per-unit counter (dyn) and with static splits, the
     partials merged inside the split kernel (fused) or by the combine kernel (2node)."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the CUDA kernel runs on sm_90")
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")  # an error if it would fall back
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_SCHED", sched)
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_FUSE", fuse)
+    use_cuda_kernel(monkeypatch, sched=sched, fuse=fuse)
     run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
 
 
@@ -188,11 +194,7 @@ def test_cuda_fused_merge_groups(seq_lens, q_lens, hq, hkv, d, page, window, spl
     """Fused merge with first-level groups of 1 split (one flat second level; at 150 splits too
     large for the scratch: the combine kernel runs), 2, 7 (a short last group) and 1000 (one
     level: the group's last CTA writes out)."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the CUDA kernel runs on sm_90")
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_FUSE", "1")
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_MERGE_GROUP", str(group))
+    use_cuda_kernel(monkeypatch, fuse="1", merge_group=str(group))
     run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits)
 
 
@@ -214,12 +216,7 @@ ROW_COMBINE_CASES = MANY_SPLIT_CASES + [
 @pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), ROW_COMBINE_CASES)
 def test_cuda_row_combine(seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, sched, monkeypatch):
     """verify_attn_combine_r (CTA per row, coalesced) merges the fp32 partials."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the CUDA kernel runs on sm_90")
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_SCHED", sched)
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_FUSE", "0")
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_COMBINE", "row")
+    use_cuda_kernel(monkeypatch, sched=sched, fuse="0", combine="row")
     run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
 
 
@@ -230,13 +227,7 @@ def test_cuda_row_combine(seq_lens, q_lens, hq, hkv, d, page, window, splits, dt
 def test_cuda_fp16_partials(seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, sched, monkeypatch):
     """Partial rows stored normalised in fp16: within the tolerance, and no less accurate than
     the fp32 partials on the same inputs beyond 1e-4 (fp16 rounding ~2^-12 of each row)."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the CUDA kernel runs on sm_90")
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_SCHED", sched)
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_FUSE", "0")
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_COMBINE", "w")
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_PARTIALS", "fp16")
+    use_cuda_kernel(monkeypatch, sched=sched, fuse="0", combine="w", partials="fp16")
     err16 = run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
     monkeypatch.setenv("HH_VERIFY_ATTENTION_PARTIALS", "fp32")
     err32 = run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
@@ -250,10 +241,7 @@ PDL_CASES = [c for c in CUDA_CASES if c.id in ("B3-T9,16,1-S3", "D128-w2048", "e
 @pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), PDL_CASES)
 def test_cuda_pdl_combine(seq_lens, q_lens, hq, hkv, d, page, window, splits, monkeypatch):
     """The combine launched with programmatic dependent launch (HH_VERIFY_ATTENTION_PDL=1)."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the CUDA kernel runs on sm_90")
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_PDL", "1")
+    use_cuda_kernel(monkeypatch, pdl="1")
     run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits)
 
 
@@ -263,11 +251,9 @@ def test_cuda_pdl_combine(seq_lens, q_lens, hq, hkv, d, page, window, splits, mo
 def test_cuda_dyn_graph_replay(pdl, fuse, monkeypatch):
     """Tile and merge counters are back at zero after every launch, so CUDA-graph replays stay
     correct."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the CUDA kernel runs on sm_90")
+    use_cuda_kernel(monkeypatch)
     from kernels.verify_attention import cuda as va_cuda
 
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")
     cache, bt, cu, seq, q = build_problem([3001, 700, 64], [8, 1, 3], 24, 4, 256, 16, torch.bfloat16)
     out = torch.full_like(q, float("nan"))
     ref = naive_verify_attention(q, cache, cu, seq, bt)
@@ -297,10 +283,7 @@ MMA_CASES = [c for c in CUDA_CASES if c.id in ("B3-T9,16,1-S3", "D128-w2048", "T
 @gpu_only
 @pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), MMA_CASES)
 def test_cuda_mma_kernel(seq_lens, q_lens, hq, hkv, d, page, window, splits, monkeypatch):
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the CUDA kernel runs on sm_90")
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_MMA", "mma")
+    use_cuda_kernel(monkeypatch, mma="mma")
     run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits)
 
 
