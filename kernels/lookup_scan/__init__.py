@@ -5,12 +5,8 @@ Shape legend: B requests in the batch, R rows of the history buffer, S history c
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from kernels.lookup_scan import cuda
-from kernels.lookup_scan.config import cuda_choice
 from kernels.lookup_scan.reference import naive_lookup_scan
 from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
 
@@ -44,21 +40,12 @@ def lookup_scan(
             longer one is fine); the kernel leaves it zeroed, so a persistent one makes the call
             CUDA-graph capturable with no memset.
         out: optional (drafts [B, num_draft] int64, num_valid [B] int32).
-        programs_per_request: grid width per request (default from S, capped); Triton kernel only.
+        programs_per_request: grid width per request (default from S, capped).
 
     Returns:
         drafts: [B, num_draft] int64; slots past num_valid hold the request's last token.
         num_valid: [B] int32 proposed tokens (0: no match).
-
-    Kernel: the CUDA cluster kernel where config.CUDA_RULE picks it for (B, S) and the call is
-    supported (sm_90, int32 rows 16-byte aligned), else the Triton kernel; ``HH_LOOKUP_BACKEND``
-    = auto (default) | triton | cuda overrides the rule.  Both give the reference's proposals.
     """
-    if programs_per_request is None and token_ids.is_cuda:
-        B = token_ids.shape[0] if req_indices is None else req_indices.shape[0]
-        choice = cuda_choice(B, token_ids.shape[1], os.environ.get("HH_LOOKUP_BACKEND", "auto").lower())
-        if choice is not None and cuda.supported(token_ids, seq_lens, req_indices, max_n, num_draft, choice[0]):
-            return cuda.lookup_scan_cuda(token_ids, seq_lens, min_n, max_n, num_draft, req_indices, out, *choice)
     return lookup_scan_fwd(
         token_ids, seq_lens, min_n, max_n, num_draft, req_indices, workspace, out, programs_per_request
     )

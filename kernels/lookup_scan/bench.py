@@ -32,7 +32,6 @@ import torch
 import triton
 
 from kernels.lookup_scan import lookup_scan, naive_lookup_scan
-from kernels.lookup_scan.cuda import lookup_scan_cuda
 from kernels.lookup_scan.triton import CANDIDATES, DEFAULT, candidate, lookup_scan_fwd, workspace_numel
 from kernels.timing import time_graph
 
@@ -132,14 +131,6 @@ def register_auto(path: str | None = None) -> list[str]:
     CANDIDATES["auto"] = (fence, (c1[0], a, c1[2], b))
     CANDIDATES["auto2"] = (fence, ({**c1[0], **pick["a"]["opts"]}, a, {**c1[2], **pick["b"]["opts"]}, b))
     return ["auto", "auto2"]
-
-
-def cuda_variant(name: str) -> tuple[int, int] | None:
-    """'cu16x1024' -> (cluster 16, 1024 threads): the CUDA cluster kernel as a --candidates entry."""
-    if not name.startswith("cu"):
-        return None
-    cl, _, th = name[2:].partition("x")
-    return int(cl), int(th or 1024)
 
 
 def cases(sizes) -> list[tuple[int, int, int, int, str]]:
@@ -263,14 +254,13 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--vllm-ref", type=Path, default=Path(".vllm_ref"))
     ap.add_argument("--baseline", type=Path, default=Path(".baseline"))
-    ap.add_argument("--candidates", default="", help="launcher candidates timed beside ours: triton.CANDIDATES "
-                    "names, or cu<cluster>x<threads> (the CUDA cluster kernel), e.g. c5,cu16x1024")
+    ap.add_argument("--candidates", default="", help="launcher candidates (triton.CANDIDATES) timed beside ours")
     ap.add_argument("--auto", default=None, help="prof.py --sweep2 pick file: registers candidates auto, auto2")
     args = ap.parse_args()
     register_auto(args.auto)
-    cands = [c for c in args.candidates.split(",") if c]
+    cands = [c for c in args.candidates.split(",") if c and c != DEFAULT]
     for c in cands:
-        if c not in CANDIDATES and cuda_variant(c) is None:
+        if c not in CANDIDATES:
             raise SystemExit(f"unknown candidate {c}; known: {', '.join(CANDIDATES)}")
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.precompile:
@@ -292,7 +282,7 @@ def main() -> None:
     print(f"\nlookup scan, k={K_DRAFT}; µs per call (CUDA graph, cold L2: memset-flushed, flush time subtracted); ref = serial torch on CPU, ms")
     print(f"{'hist':>7} {'B':>2} {'n':>5} {'data':>6} | {'ours':>7} | {'before':>7} | {'vllm':>7} | {'ref ms':>8} "
           f"| vllm/ours | before/ours | same" + "".join(f" | {c:>6} vllm/{c} {c}/ours" for c in cands)
-          + f"   (ours = lookup_scan(): Triton {DEFAULT}, or the cluster kernel where config.CUDA_RULE picks it)")
+          + f"   (ours = {DEFAULT})")
     for S in sizes:
         for B in (1, 8):
             for min_n, max_n in ((5, 5), (6, 12)):
@@ -323,18 +313,13 @@ def main() -> None:
                         same = same and torch.equal(d_v.cpu(), d_ref)
                     extra = ""
                     for c in cands:  # each candidate: its own workspace and outputs, same row and data
+                        cfg, opts = candidate(c, B, S, max_n)
                         ws_c = torch.zeros(workspace_numel(B), dtype=torch.int64, device="cuda")
                         out_c = (torch.full((B, K_DRAFT), -7, dtype=torch.int64, device="cuda"),
                                  torch.full((B,), -7, dtype=torch.int32, device="cuda"))
-                        cu = cuda_variant(c)
-                        if cu is not None:  # the cluster kernel, (cluster, threads)
-                            fn_c = lambda: lookup_scan_cuda(tok, lens, min_n, max_n, K_DRAFT, None, out_c, *cu)  # noqa: B023,E731
-                        else:
-                            cfg, opts = candidate(c, B, S, max_n)
-                            fn_c = lambda: lookup_scan_fwd(tok, lens, min_n, max_n, K_DRAFT, None, ws_c,  # noqa: B023,E731
-                                                           out_c, None, cfg, opts)  # noqa: B023
                         try:
-                            t_c = time_graph(fn_c)
+                            t_c = time_graph(lambda: lookup_scan_fwd(tok, lens, min_n, max_n, K_DRAFT, None, ws_c,  # noqa: B023
+                                                                     out_c, None, cfg, opts))  # noqa: B023
                         except Exception as e:  # noqa: BLE001 (a launch option this Triton lacks: the row goes on)
                             extra += f" | {c} ERR {type(e).__name__}"
                             continue

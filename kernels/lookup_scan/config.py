@@ -93,30 +93,6 @@ CANDIDATES["c5"] = (4, (_C1, _C1, _C4_T2, {**_C1, "HIT": 3, "SHORT": _SHORT_B}))
 DEFAULT = "c5"
 
 
-# The CUDA cluster kernel (kernels/lookup_scan/cuda: one thread-block cluster per request, the fold
-# in distributed shared memory, no global atomics) on tiers by W = B * S: (W limit, cluster CTAs,
-# threads per CTA), first match wins; past the last limit the Triton kernel runs.  Empty until an
-# H200 run with the Triton default beside it says where it wins (NOTES.md).
-CUDA_RULE: tuple[tuple[int, int, int], ...] = ()
-BACKENDS = ("auto", "triton", "cuda")
-
-
-def cuda_choice(batch: int, capacity: int, backend: str = "auto") -> tuple[int, int] | None:
-    """(cluster, threads) of the cluster kernel for B requests over an [*, S] buffer, or None for
-    the Triton kernel.  backend: "auto" (CUDA_RULE), "triton", or "cuda" (CUDA_RULE's pick, else
-    its last tier's shape, at any size)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"lookup backend {backend!r}: one of {', '.join(BACKENDS)}")
-    if backend == "triton":
-        return None
-    for limit, cluster, threads in CUDA_RULE:
-        if batch * capacity <= limit:
-            return cluster, threads
-    if backend == "cuda":
-        return (CUDA_RULE[-1][1], CUDA_RULE[-1][2]) if CUDA_RULE else (16, 1024)
-    return None
-
-
 def _tier(work: int) -> int:
     for i, (limit, _) in enumerate(RULE):
         if work <= limit:
