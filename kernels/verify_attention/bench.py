@@ -2,9 +2,10 @@
 
     python -m kernels.verify_attention.bench [--sweep] [--json PATH] [--quick] [--triton] [--no-vllm]
         [--no-sdpa] [--no-mma] [--fixed-cost] [--before-dir DIR] [--node-costs[-only]] [--ceiling-only]
+        [--combine-costs[-only]]
 
 The diagnostic modes (--sweep, --fixed-cost, --node-costs, --ceiling-only, --profile-one) live in
-diag.py and share this file's harness.
+diag.py, --combine-costs in diag_combine.py; they share this file's harness.
 Measures the device's copy bandwidth first, then times every provider with CUDA-graph replay
 and a cold L2 (a 256 MiB buffer is read before every replay), median of the replays.
 Providers:
@@ -405,6 +406,9 @@ def main() -> None:
     ap.add_argument("--node-costs", action="store_true",
                     help="fixed cost per pool size (100K b1, T=1/8): nodes, candidates, ceiling probe")
     ap.add_argument("--node-costs-only", action="store_true", help="stop after --node-costs")  # fmt: skip
+    ap.add_argument("--combine-costs", action="store_true",
+                    help="the combine node at 100K b1 (T=1/8): variants, workspace, stamps (diag_combine.py)")
+    ap.add_argument("--combine-costs-only", action="store_true", help="stop after --combine-costs")
     ap.add_argument("--ceiling-only", action="store_true",
                     help="pure-read ceiling probes at 100K b1 (ceiling_stream.py), then stop")  # fmt: skip
     ap.add_argument("--before-src", default=None, help="the .cu of commit 1344eca, timed as 'before-1344eca'")
@@ -432,6 +436,14 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
         return
+    if args.combine_costs or args.combine_costs_only:
+        from kernels.verify_attention.diag_combine import combine_costs
+
+        combine_costs(flush, bw, results)
+        if args.combine_costs_only:
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=1))
+            return
     if args.node_costs or args.node_costs_only:
         node_costs(flush, bw, results, before_mod)
         if args.node_costs_only:

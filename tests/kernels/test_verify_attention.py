@@ -221,6 +221,58 @@ def test_cuda_row_combine(seq_lens, q_lens, hq, hkv, d, page, window, splits, dt
 
 
 @gpu_only
+@pytest.mark.parametrize("ws", ["0", "1"], ids=["pool", "ws"])
+@pytest.mark.parametrize("cols", ["128", "64", "16"])
+@pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), ROW_COMBINE_CASES)
+def test_cuda_col_combine(seq_lens, q_lens, hq, hkv, d, page, window, splits, cols, ws, monkeypatch):
+    """verify_attn_combine_c (CTA per row and column block of 128 / 64 / 16 dims), the partials
+    in a fresh buffer or in the per-device workspace (HH_VERIFY_ATTENTION_WORKSPACE=1)."""
+    use_cuda_kernel(monkeypatch, fuse="0", combine="col", combine_cols=cols, workspace=ws)
+    run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits)
+
+
+@gpu_only
+@pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), ROW_COMBINE_CASES)
+def test_cuda_col_combine_fp16_static(seq_lens, q_lens, hq, hkv, d, page, window, splits, monkeypatch):
+    use_cuda_kernel(monkeypatch, sched="static", fuse="0", combine="col", workspace="1")
+    run_case(seq_lens, q_lens, hq, hkv, d, page, torch.float16, window, splits)
+
+
+@gpu_only
+def test_cuda_workspace_graph_replay(monkeypatch):
+    """Graphs captured on the workspace (big enough) and on the fallback (a capture that needs a
+    larger one takes torch.empty buffers; the workspace does not grow inside a capture)."""
+    use_cuda_kernel(monkeypatch, workspace="1", combine="col")
+    from kernels.verify_attention import cuda as va_cuda
+
+    cache, bt, cu, seq, q = build_problem([3001, 700, 64], [8, 1, 3], 24, 4, 256, 16, torch.bfloat16)
+    ref = naive_verify_attention(q, cache, cu, seq, bt)
+    outs = {s: torch.full_like(q, float("nan")) for s in (40, 80)}
+
+    def call(splits):
+        va_cuda.verify_attention_cuda(q, cache.k, outs[splits], cu, 8, seq, 3001, 256**-0.5, 0, bt,
+                                      num_splits=splits, fuse=False)  # fmt: skip
+
+    va_cuda._WORKSPACE.pop(torch.cuda.current_device(), None)
+    call(40)  # eager: compiles, sizes the workspace for 40 splits (12 x 24 x 40 rows of 1 KB)
+    torch.cuda.synchronize()
+    size = va_cuda._WORKSPACE[torch.cuda.current_device()].numel()
+    graphs = {}
+    for splits in (40, 80):
+        graphs[splits] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[splits]):
+            call(splits)
+    assert va_cuda._WORKSPACE[torch.cuda.current_device()].numel() == size
+    for _ in range(2):
+        for splits, graph in graphs.items():
+            outs[splits].fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            err = ((outs[splits].float() - ref).norm() / ref.norm()).item()
+            assert err < TOL[torch.bfloat16], (splits, err)
+
+
+@gpu_only
 @pytest.mark.parametrize("sched", ["dyn", "static"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), FP16_PARTIAL_CASES)
@@ -333,3 +385,24 @@ def test_default_split_rule(monkeypatch):
     assert default_num_splits(8, 4, 1, 100_000, cuda) == 33  # floor (was 9)
     assert default_num_splits(4, 4, 1, 100_000, cuda, windowed=True) == 17  # no floor with a window
     assert default_num_splits(4, 4, 1, 2_000, cuda) == 8  # one split per 256 keys at most
+
+
+def test_combine_switches(monkeypatch):
+    """HH_VERIFY_ATTENTION_COMBINE / _COMBINE_COLS / _WORKSPACE parse or refuse (no GPU needed)."""
+    from kernels.verify_attention import cuda as vc
+
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_COMBINE", "col")
+    assert vc.default_combine() == "col" and vc.default_combine_cols(256) == 64
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_COMBINE_COLS", "32")
+    assert vc.default_combine_cols(128) == 32
+    for bad in ("48", "8", "512"):
+        monkeypatch.setenv("HH_VERIFY_ATTENTION_COMBINE_COLS", bad)
+        with pytest.raises(ValueError):
+            vc.default_combine_cols(256)
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_WORKSPACE", "1")
+    assert vc.default_workspace()
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_WORKSPACE", "yes")
+    with pytest.raises(ValueError):
+        vc.default_workspace()
+    acc, ml = vc.partial_buffers(torch.device("cpu"), (2, 3, 5, 16), torch.float32, False)
+    assert acc.shape == (2, 3, 5, 16) and ml.shape == (2, 3, 5, 2)

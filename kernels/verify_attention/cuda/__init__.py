@@ -109,17 +109,38 @@ def default_partials() -> str:
 
 
 def default_combine() -> str:
-    """HH_VERIFY_ATTENTION_COMBINE: auto (default), w or row: the combine kernel where 32..256
+    """HH_VERIFY_ATTENTION_COMBINE: auto (default), w, row or col: the combine kernel where 32..256
     splits are merged (wgmma path, not fused): verify_attn_combine_w (warp per row x 8 dims, lane
-    = split) or verify_attn_combine_r (CTA per row, coalesced loads).
+    = split), verify_attn_combine_r (CTA per row, coalesced loads) or verify_attn_combine_c (CTA
+    per row and COMBINE_COLS-dim column block: the row combine over D / COMBINE_COLS x the CTAs).
 
     auto = row: on the H200 (session 5, same run as the previous default) 100K T=8 b1 90.8 vs
     94.7 µs, 8K-32K T=8/16 b1 1.06-1.09x, T=1 b1 equal, no row of the full table slower than
     1.03x (NOTES.md)."""
     kind = os.environ.get("HH_VERIFY_ATTENTION_COMBINE", "auto").lower()
-    if kind not in ("auto", "w", "row"):
-        raise ValueError(f"HH_VERIFY_ATTENTION_COMBINE={kind!r}: auto, w or row")
+    if kind not in ("auto", "w", "row", "col"):
+        raise ValueError(f"HH_VERIFY_ATTENTION_COMBINE={kind!r}: auto, w, row or col")
     return "row" if kind == "auto" else kind
+
+
+def default_combine_cols(d: int) -> int:
+    """HH_VERIFY_ATTENTION_COMBINE_COLS: dims per CTA of verify_attn_combine_c (16..D, a divisor
+    of D; default 64: 4 CTAs per row at D = 256)."""
+    cols = int(os.environ.get("HH_VERIFY_ATTENTION_COMBINE_COLS", "64"))
+    if cols < 16 or cols > d or d % cols or cols & (cols - 1):
+        raise ValueError(f"HH_VERIFY_ATTENTION_COMBINE_COLS={cols}: a power of two in 16..{d}")
+    return cols
+
+
+def default_workspace() -> bool:
+    """HH_VERIFY_ATTENTION_WORKSPACE=1: the partials live in one buffer per device, allocated on
+    the first (eager) call and reused by every later call and graph capture (vLLM's unified
+    attention is handed such buffers), instead of a fresh torch.empty per call (inside a CUDA
+    graph: the graph's private pool). Default 0."""
+    kind = os.environ.get("HH_VERIFY_ATTENTION_WORKSPACE", "0")
+    if kind not in ("0", "1"):
+        raise ValueError(f"HH_VERIFY_ATTENTION_WORKSPACE={kind!r}: 0 or 1")
+    return kind == "1"
 
 
 def merge_group_for(num_splits: int) -> int:
@@ -211,6 +232,69 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
         buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
         _COUNTERS[idx] = buf
     return buf
+
+
+# Per-device partials workspace (HH_VERIFY_ATTENTION_WORKSPACE=1): uint8, the partial rows then
+# the (max, sum) pairs of one call, reused by the next call on the stream (the combine of a call
+# reads them before the next call's split kernel writes: stream order). Grown only outside a
+# CUDA-graph capture; a capture that needs more takes torch.empty buffers (the graph's pool).
+_WORKSPACE: dict[int, torch.Tensor] = {}
+
+
+def partial_buffers(
+    device: torch.device, shape: tuple[int, int, int, int], dtype: torch.dtype, persistent: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(part_acc [N, Hq, S, D] of dtype, part_ml [N, Hq, S, 2] fp32) for one launch."""
+    n, hq, s, d = shape
+    if not persistent:
+        return (torch.empty(n, hq, s, d, dtype=dtype, device=device),
+                torch.empty(n, hq, s, 2, dtype=torch.float32, device=device))  # fmt: skip
+    n_acc = -(-n * hq * s * d * dtype.itemsize // 256) * 256
+    n_ml = n * hq * s * 2 * 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    buf = _WORKSPACE.get(idx)
+    if buf is None or buf.numel() < n_acc + n_ml:
+        if torch.cuda.is_current_stream_capturing():
+            return partial_buffers(device, shape, dtype, False)
+        buf = torch.empty(max(n_acc + n_ml, 1 << 20), dtype=torch.uint8, device=device)
+        _WORKSPACE[idx] = buf
+    acc = buf[: n * hq * s * d * dtype.itemsize].view(dtype).view(n, hq, s, d)
+    ml = buf[n_acc : n_acc + n_ml].view(torch.float32).view(n, hq, s, 2)
+    return acc, ml
+
+
+def launch_combine(
+    kind: str, out: torch.Tensor, part_acc: torch.Tensor, part_ml: torch.Tensor, pdl: bool = False,
+    cols: int | None = None, trace: torch.Tensor | None = None,
+) -> None:
+    """Merge the partials [N, Hq, S, D | 2] into out [N, Hq, D]. kind: "row"
+    (verify_attn_combine_r), "col" (verify_attn_combine_c, ``cols`` dims per CTA, None:
+    ``default_combine_cols``; ``trace`` int64 [CTAs, 8] gets its %globaltimer stamps), "w"
+    (verify_attn_combine_w; fp16 partials: its PH variant) or "legacy" (ea506d7's combine)."""
+    num_tokens, num_q_heads, num_splits, d = part_acc.shape
+    bf16 = "true" if out.dtype == torch.bfloat16 else "false"
+    rows = num_tokens * num_q_heads
+    tail = [int(num_splits), num_q_heads, out.stride(0), out.stride(1)]
+    if kind == "row":  # verify_attn_combine_r: CTA per row, coalesced loads (session 5)
+        combine = _compiled(f"verify_attn_combine_r<{d}, {bf16}>", 0)
+        grid, block, args = (rows, 1, 1), (256, 1, 1), [out, part_acc, part_ml] + tail
+    elif kind == "col":  # verify_attn_combine_c: CTA per row and column block
+        cols = cols or default_combine_cols(d)
+        combine = _compiled(f"verify_attn_combine_c<{d}, {cols}, {bf16}>", 0)
+        grid, block = (rows * (d // cols), 1, 1), (256, 1, 1)
+        args = [out, part_acc, part_ml] + tail + [trace if trace is not None else out, int(trace is not None)]
+    elif kind == "w":
+        ph = ", true" if part_acc.dtype == torch.float16 else ""
+        combine = _compiled(f"verify_attn_combine_w<{d}, {bf16}{ph}>", 0)
+        grid, block = (math.ceil(rows * (d // 8) / 4), 1, 1), (128, 1, 1)
+        args = [out, part_acc, part_ml] + tail + [rows]
+    else:  # ea506d7's combine (the mma.sync kernel always)
+        combine = _compiled(f"verify_attn_combine<{d}, {bf16}>", 0)
+        grid, block, args = (rows, 1, 1), (256, 1, 1), [out, part_acc, part_ml] + tail
+    if pdl:
+        _launch_pdl(combine, grid, block, args)
+    else:
+        combine(grid=grid, block=block, args=args)
 
 
 class _LaunchAttr(ctypes.Structure):
@@ -359,6 +443,9 @@ def verify_attention_cuda(
     merge_group: int | None = None,
     partials: str | None = None,
     combine_kernel: str | None = None,
+    combine_cols: int | None = None,
+    workspace: bool | None = None,
+    combine_trace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch; the contract is ``kernels.verify_attention.verify_attention``'s (window = W or 0).
 
@@ -370,7 +457,9 @@ def verify_attention_cuda(
     ``fuse`` merges the partials inside the split kernel (None: ``default_fuse(n8)``) in groups
     of ``merge_group`` splits (None: ``merge_group_for``); ``partials`` "fp32" / "fp16" (None:
     ``default_partials()``; fp16 only where the combine_w kernel merges); ``combine_kernel`` "w" /
-    "row" (None: ``default_combine()``) where >= 32 splits are merged."""
+    "row" / "col" (None: ``default_combine()``) where >= 32 splits are merged, ``combine_cols``
+    the col kernel's dims per CTA (None: ``default_combine_cols``), ``combine_trace`` its stamps;
+    ``workspace``: partials in the per-device buffer (None: ``default_workspace()``)."""
     num_tokens, num_q_heads, d = q.shape
     num_seqs = seqused_k.shape[0]
     hkv = k.shape[2]
@@ -393,8 +482,8 @@ def verify_attention_cuda(
             gs = merge_group or merge_group_for(num_splits)
             gs = gs if merge_fits(d, n8, stages, num_splits, gs) else 0
         # fp16 partials only where verify_attn_combine_w (>= 32 splits) merges them.
-        row = (not gs and 32 <= num_splits <= ROW_COMBINE_MAX_SPLITS
-               and (combine_kernel or default_combine()) == "row")
+        ckind = combine_kernel or default_combine()
+        row = not gs and 32 <= num_splits <= ROW_COMBINE_MAX_SPLITS and ckind in ("row", "col")
         ph = not gs and not row and combine and num_splits >= 32 and (partials or default_partials()) == "fp16"
         split_kernel = _compiled(*split_variant(d, n8, bf16 == "true", sched, stages, fuse=gs > 0, ph=ph))
     else:
@@ -402,10 +491,11 @@ def verify_attention_cuda(
         smem = smem_bytes(d, mt, stages)
         split_kernel = _compiled(f"verify_attn_split<{d}, {mt}, {n8}, {stages}, {bf16}>", smem)
         ph = row = False
+        ckind = "legacy"
     if num_splits > 1:
         pdt = torch.float16 if ph else torch.float32
-        part_acc = torch.empty(num_tokens, num_q_heads, num_splits, d, dtype=pdt, device=q.device)
-        part_ml = torch.empty(num_tokens, num_q_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+        persistent = default_workspace() if workspace is None else workspace
+        part_acc, part_ml = partial_buffers(q.device, (num_tokens, num_q_heads, num_splits, d), pdt, persistent)
     else:
         part_acc = part_ml = out  # unused
     # Counters (one int32 buffer): [units] DYN tiles, then [units][NG + 1] fused-merge arrivals.
@@ -427,24 +517,9 @@ def verify_attention_cuda(
         shared_mem=smem,
     )  # fmt: skip
     if num_splits > 1 and num_tokens and combine and not gs:
-        rows = num_tokens * num_q_heads
-        # From 32 splits verify_attn_combine_r (default) or verify_attn_combine_w (one warp per
-        # row x 8 dims, lane = split); below, ea506d7's combine: combine_w's lanes idle there (H200,
-        # drafter w=2048 T=8 b4: 30.8 vs 25.5 µs; NOTES.md).
-        if row:  # verify_attn_combine_r: CTA per row, coalesced loads (session 5)
-            combine = _compiled(f"verify_attn_combine_r<{d}, {bf16}>", 0)
-            grid, block = (rows, 1, 1), (256, 1, 1)
-            args = [out, part_acc, part_ml, int(num_splits), num_q_heads, out.stride(0), out.stride(1)]
-        elif wgmma and num_splits >= 32:
-            combine = _compiled(f"verify_attn_combine_w<{d}, {bf16}{', true' if ph else ''}>", 0)
-            grid, block = (math.ceil(rows * (d // 8) / 4), 1, 1), (128, 1, 1)
-            args = [out, part_acc, part_ml, int(num_splits), num_q_heads, out.stride(0), out.stride(1), rows]
-        else:  # ea506d7's combine (the mma.sync kernel always)
-            combine = _compiled(f"verify_attn_combine<{d}, {bf16}>", 0)
-            grid, block = (rows, 1, 1), (256, 1, 1)
-            args = [out, part_acc, part_ml, int(num_splits), num_q_heads, out.stride(0), out.stride(1)]
-        if pdl:
-            _launch_pdl(combine, grid, block, args)
-        else:
-            combine(grid=grid, block=block, args=args)
+        # From 32 splits verify_attn_combine_r (default), _c or _w (one warp per row x 8 dims,
+        # lane = split); below, ea506d7's combine: combine_w's lanes idle there (H200, drafter
+        # w=2048 T=8 b4: 30.8 vs 25.5 µs; NOTES.md).
+        kind = ckind if row else "w" if wgmma and num_splits >= 32 else "legacy"
+        launch_combine(kind, out, part_acc, part_ml, pdl, combine_cols, combine_trace)
     return out

@@ -174,6 +174,11 @@ DI u64 globaltimer() {
   asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
   return t;
 }
+DI u64 clock64_() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(t));
+  return t;
+}
 DI u32 smid() {
   u32 r;
   asm volatile("mov.u32 %0, %%smid;\n" : "=r"(r));
@@ -780,6 +785,112 @@ __global__ void __launch_bounds__(256, 2) verify_attn_combine_r(
     pk.x = pack_out<BF16>(a.x * inv, a.y * inv);
     pk.y = pack_out<BF16>(a.z * inv, a.w * inv);
     *reinterpret_cast<uint2*>(out + (i64)tok * stride_o_tok + (i64)hq * stride_o_head + 4 * d4) = pk;
+  }
+}
+
+// Merge for the wgmma kernel, one CTA per (token, query head, DC-dim column block): the row
+// combine above with the row's D dims spread over D / DC CTAs (HH_VERIFY_ATTENTION_COMBINE=col).
+// Why: at T=1 b1 the row combine is 24 CTAs on 24 of 132 SMs, each pulling a whole row's
+// partials (66 splits x 1 KB) through one SM's L1 and its few outstanding misses; here the same
+// bytes come through 4x (DC = 64) or 8x (DC = 32) as many SMs, each CTA's share one round trip.
+// Same arithmetic as the row combine (fp32, one L2 round trip for a chunk of U x SG splits, the
+// (max, sum) pairs once per CTA in shared memory); the groups' sums are added by a tree over the
+// SG = 1024 / DC split groups. DC = D is the row combine's grid. trace_on: thread 0 stores
+// %globaltimer at CTA start, after the (max, sum) barrier, after all partials are summed, at the
+// end, the SM id and the SM clocks from start to end in trace_buf[CTA][0..5] (diag_combine.py).
+template <int D, int DC, bool BF16>
+__global__ void __launch_bounds__(256) verify_attn_combine_c(
+    unsigned short* __restrict__ out,     // [N, Hq, D]
+    const float* __restrict__ part_acc,   // [N, Hq, S, D]
+    const float* __restrict__ part_ml,    // [N, Hq, S, 2]
+    int num_splits, int Hq, int stride_o_tok, int stride_o_head,
+    u64* __restrict__ trace_buf,          // [CTAs][8] when trace_on
+    int trace_on) {
+  using namespace va;
+  static_assert(DC >= 16 && DC <= D && D % DC == 0, "column block");
+  const bool tr = trace_on && threadIdx.x == 0;
+  u64 t0 = 0, t1 = 0, t2 = 0, c0 = 0;
+  if (tr) t0 = globaltimer(), c0 = clock64_();
+  griddep_wait();  // see verify_attn_combine
+  constexpr int NC = D / DC;             // column blocks per row
+  constexpr int L = DC / 4;              // threads per split group (one float4 column each)
+  constexpr int SG = 256 / L;            // split groups: 4 at DC = 256, 16 at 64, 32 at 32
+  constexpr int U = (68 + SG - 1) / SG;  // splits per group and chunk: one chunk >= 68 splits
+  constexpr int MLS = 256;               // splits at most (launcher: ROW_COMBINE_MAX_SPLITS)
+  __shared__ float red[8];
+  __shared__ float4 acc_s[SG][L];
+  __shared__ float den_s[SG];
+  __shared__ float2 ml_s[MLS + U * SG];  // (max, sum) per split; (-inf, 0) past num_splits
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rowi = blockIdx.x / NC, cb = blockIdx.x - rowi * NC;  // compile-time divisor
+  const int sg = tid / L, d4 = tid % L;
+  const float2* const ml = reinterpret_cast<const float2*>(part_ml) + (i64)rowi * num_splits;
+  const float* const pa = part_acc + (i64)rowi * num_splits * D + cb * DC + 4 * d4;
+  float4 v[U];
+  auto issue = [&](int c0) {  // chunk c0: splits sg + (c0 + k) SG
+    const float* const p0 = pa + (i64)(sg + c0 * SG) * D;
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (sg + (c0 + k) * SG < num_splits) v[k] = *reinterpret_cast<const float4*>(p0 + k * SG * D);
+    }
+  };
+  issue(0);
+  float mmax = NEG_INF;
+  for (int s = tid; s < MLS + U * SG; s += 256) {
+    const float2 t = s < num_splits ? ml[s] : make_float2(NEG_INF, 0.f);
+    ml_s[s] = t;
+    mmax = fmaxf(mmax, t.x);
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) mmax = fmaxf(mmax, shfl_xor(mmax, o));
+  if (lane == 0) red[warp] = mmax;
+  __syncthreads();
+  if (tr) t1 = globaltimer();
+  mmax = red[0];
+#pragma unroll
+  for (int w = 1; w < 8; ++w) mmax = fmaxf(mmax, red[w]);
+  float den = 0.f;
+  float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int c0 = 0;;) {
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      // m = -inf: no visible key in that split (or past num_splits): weight 0, data not used.
+      const float2 t = ml_s[sg + (c0 + k) * SG];
+      const float w = t.x == NEG_INF ? 0.f : ex2(t.x - mmax);
+      den += w * t.y;
+      if (w > 0.f) a.x += w * v[k].x, a.y += w * v[k].y, a.z += w * v[k].z, a.w += w * v[k].w;
+    }
+    c0 += U;
+    if (c0 * SG >= num_splits) break;  // uniform over the CTA
+    issue(c0);
+  }
+  acc_s[sg][d4] = a;
+  if (d4 == 0) den_s[sg] = den;
+  __syncthreads();
+  if (tr) t2 = globaltimer();
+#pragma unroll
+  for (int h = SG / 2; h >= 1; h >>= 1) {  // tree over the groups: log2(SG) steps
+    if (sg < h) {
+      const float4 t = acc_s[sg + h][d4];
+      a.x += t.x, a.y += t.y, a.z += t.z, a.w += t.w;
+      acc_s[sg][d4] = a;
+      if (d4 == 0) den += den_s[sg + h], den_s[sg] = den;
+    }
+    __syncthreads();
+  }
+  if (sg == 0) {
+    den = den_s[0];
+    const int tok = rowi / Hq, hq = rowi - (rowi / Hq) * Hq;
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    uint2 pk;
+    pk.x = pack_out<BF16>(a.x * inv, a.y * inv);
+    pk.y = pack_out<BF16>(a.z * inv, a.w * inv);
+    *reinterpret_cast<uint2*>(out + (i64)tok * stride_o_tok + (i64)hq * stride_o_head + cb * DC + 4 * d4) = pk;
+  }
+  if (tr) {
+    u64* const t = trace_buf + (i64)blockIdx.x * 8;
+    t[0] = t0, t[1] = t1, t[2] = t2, t[3] = globaltimer(), t[4] = smid(), t[5] = clock64_() - c0;
   }
 }
 
