@@ -2,10 +2,10 @@
 
     python -m kernels.verify_attention.bench [--sweep] [--json PATH] [--quick] [--triton] [--no-vllm]
         [--no-sdpa] [--no-mma] [--fixed-cost] [--before-dir DIR] [--node-costs[-only]] [--ceiling-only]
-        [--combine-costs[-only]]
+        [--combine-costs[-only]] [--loop-modes]
 
 The diagnostic modes (--sweep, --fixed-cost, --node-costs, --ceiling-only, --profile-one) live in
-diag.py, --combine-costs in diag_combine.py; they share this file's harness.
+diag.py, --combine-costs and --loop-modes in diag_combine.py; they share this file's harness.
 Measures the device's copy bandwidth first, then times every provider with CUDA-graph replay
 and a cold L2 (a 256 MiB buffer is read before every replay), median of the replays.
 Providers:
@@ -409,6 +409,8 @@ def main() -> None:
     ap.add_argument("--combine-costs", action="store_true",
                     help="the combine node at 100K b1 (T=1/8): variants, workspace, stamps (diag_combine.py)")
     ap.add_argument("--combine-costs-only", action="store_true", help="stop after --combine-costs")
+    ap.add_argument("--loop-modes", action="store_true",
+                    help="default / split / stamped graphs in three host loops, then stop (diag_combine.py)")
     ap.add_argument("--ceiling-only", action="store_true",
                     help="pure-read ceiling probes at 100K b1 (ceiling_stream.py), then stop")  # fmt: skip
     ap.add_argument("--before-src", default=None, help="the .cu of commit 1344eca, timed as 'before-1344eca'")
@@ -433,6 +435,13 @@ def main() -> None:
     before_mod = load_before(args.before_dir) if args.before_dir else None
     if args.ceiling_only:
         stream_ceiling(flush, bw, results)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        return
+    if args.loop_modes:
+        from kernels.verify_attention.diag_combine import loop_modes
+
+        loop_modes(flush, bw, results)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
         return

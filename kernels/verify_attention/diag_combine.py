@@ -13,11 +13,19 @@ instead of the ones the split just wrote. Then %globaltimer stamps of the split'
 col combine's CTAs in one graph (10 cold replays): the gap between the split's last CTA and the
 combine's first, the combine's phases ((max, sum) barrier, partials summed, end), its span, the
 SM clock during it, and the time outside both kernels.
+
+    python -m kernels.verify_attention.bench --loop-modes
+
+The same graphs replayed in three host loops (the stamps of every replay kept on the device):
+"tight" (bench.time_graph's: flush, events, replay, wait for the end event), "idle" (tight +
+2 ms of host sleep after each replay: the GPU idles between replays) and "sync" (the stamp
+loop above: a device-wide synchronize and a host read of the stamps after each replay).
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -181,6 +189,90 @@ def combine_costs(flush: torch.Tensor, bw: float, results: list) -> None:
             name = f"{label} trace split+col{cols}{'+ws' if ws else ''}"
             results.append({"case": name, **st})
             print(f"  {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in st.items()), flush=True)
+        del prob
+    del pool
+    torch.cuda.empty_cache()
+
+
+def _loop(graph: torch.cuda.CUDAGraph, flush: torch.Tensor, mode: str, reps: int,
+          stamps: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[float], list[torch.Tensor]]:
+    """Event µs of each replay and, per stamp buffer, its copy after each replay [reps, CTAs, 8]."""
+    hist = [torch.zeros(reps, *buf.shape, dtype=buf.dtype, device=buf.device) for buf, _ in stamps]
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(reps):
+        flush_l2(flush)
+        e0.record()
+        graph.replay()
+        e1.record()
+        for h, (buf, _) in zip(hist, stamps):
+            h[i].copy_(buf)  # after the end event: not timed
+        if mode == "sync":
+            torch.cuda.synchronize()
+            _ = [buf.cpu() for buf, _ in stamps]
+        else:
+            e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3)
+        if mode == "idle":
+            time.sleep(0.002)
+    torch.cuda.synchronize()
+    return times, hist
+
+
+def _phases(ev: float, s: torch.Tensor, c: torch.Tensor) -> dict[str, float]:
+    s = s[s[:, 0] > 0]
+    base = int(s[:, 0].min())
+    us = lambda x: (x - base).double() / 1e3  # noqa: E731
+    s_end = float(us(s[:, 3]).max())
+    c0, c3 = us(c[:, 0]), us(c[:, 3])
+    return {"event": ev, "split_span": s_end, "gap": float(c0.min()) - s_end,
+            "comb_span": float(c3.max() - c0.min()), "outside": ev - float(c3.max()),
+            "sm_mhz": float((c[:, 5].double() / (c3 - c0)).median())}  # fmt: skip
+
+
+def loop_modes(flush: torch.Tensor, bw: float, results: list, reps: int = 30) -> None:
+    """100K b1, T = 1 and 8: the default graph, the split alone and the stamped split + col256
+    combine, each in the tight / idle / sync host loops (and tight again at the end)."""
+    from kernels.verify_attention import cuda as vc
+
+    vc.precompile([("verify_attn_combine_c<256, 256, true>", 0), ("verify_attn_combine_r<256, true>", 0)])
+    pool = make_pool(8 * CTX + 64, 16, HKV, 256)
+    q3 = lambda xs: f"{min(xs):.1f}/{statistics.median(xs):.1f}/{max(xs):.1f}"  # noqa: E731
+    for t in (1, 8):
+        prob = Problem(pool, 1, CTX, t, HQ)
+        n, hq, d = prob.q.shape
+        _, n_qt, _, _ = vc._tile(hq // HKV, t)
+        tr_s = torch.zeros(HKV * n_qt * _splits(prob), 8, dtype=torch.int64, device="cuda")
+        tr_c = torch.zeros(n * hq, 8, dtype=torch.int64, device="cuda")
+        fns = {"default": prob.ours(), "split-only": prob.cuda_variant(combine=False),
+               "stamped split+col256": prob.cuda_variant(combine_kernel="col", combine_cols=256, trace=tr_s,
+                                                         combine_trace=tr_c)}  # fmt: skip
+        for name, fn in fns.items():
+            fn()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            graph.replay()
+            torch.cuda.synchronize()
+            stamps = [(tr_s, "s"), (tr_c, "c")] if "stamped" in name else []
+            for mode in ("tight", "idle", "sync", "tight"):
+                times, hist = _loop(graph, flush, mode, reps, stamps)
+                line = f"ctx=100000 T={t} b=1 {name} [{mode}] event min/med/max {q3(times)}"
+                rec = {"case": f"ctx=100000 T={t} b=1 {name} loop {mode}", "events": times}
+                if stamps:
+                    hs, hc = (h.cpu() for h in hist)
+                    ph = [_phases(times[i], hs[i], hc[i]) for i in range(reps)]
+                    med = {k: statistics.median(p[k] for p in ph) for k in ph[0]}
+                    rec["phases"] = ph
+                    line += "; medians " + ", ".join(f"{k} {v:.2f}" for k, v in med.items() if k != "event")
+                    slow = [p for p in ph if p["event"] > statistics.median(times) + 2]
+                    if slow:
+                        line += f"; {len(slow)} slow replays (> median + 2), their medians " + ", ".join(
+                            f"{k} {statistics.median(p[k] for p in slow):.2f}" for k in ph[0])
+                results.append(rec)
+                print(line, flush=True)
+            del graph
         del prob
     del pool
     torch.cuda.empty_cache()
