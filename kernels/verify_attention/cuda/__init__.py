@@ -116,7 +116,7 @@ def default_combine() -> str:
 
     auto = row: on the H200 (session 5, same run as the previous default) 100K T=8 b1 90.8 vs
     94.7 µs, 8K-32K T=8/16 b1 1.06-1.09x, T=1 b1 equal, no row of the full table slower than
-    1.03x (NOTES.md)."""
+    1.03x. col: no gain at 100K b1 (T=1 72.9 vs 72.9 µs, T=8 91.0-92.8 vs 91.6; NOTES.md)."""
     kind = os.environ.get("HH_VERIFY_ATTENTION_COMBINE", "auto").lower()
     if kind not in ("auto", "w", "row", "col"):
         raise ValueError(f"HH_VERIFY_ATTENTION_COMBINE={kind!r}: auto, w, row or col")
@@ -136,7 +136,8 @@ def default_workspace() -> bool:
     """HH_VERIFY_ATTENTION_WORKSPACE=1: the partials live in one buffer per device, allocated on
     the first (eager) call and reused by every later call and graph capture (vLLM's unified
     attention is handed such buffers), instead of a fresh torch.empty per call (inside a CUDA
-    graph: the graph's private pool). Default 0."""
+    graph: the graph's private pool). Default 0: no gain on the H200 (100K b1, row combine: T=1
+    72.9 vs 72.9 µs, T=8 91.5 vs 91.6; NOTES.md)."""
     kind = os.environ.get("HH_VERIFY_ATTENTION_WORKSPACE", "0")
     if kind not in ("0", "1"):
         raise ValueError(f"HH_VERIFY_ATTENTION_WORKSPACE={kind!r}: 0 or 1")

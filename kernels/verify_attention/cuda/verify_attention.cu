@@ -789,10 +789,12 @@ __global__ void __launch_bounds__(256, 2) verify_attn_combine_r(
 }
 
 // Merge for the wgmma kernel, one CTA per (token, query head, DC-dim column block): the row
-// combine above with the row's D dims spread over D / DC CTAs (HH_VERIFY_ATTENTION_COMBINE=col).
-// Why: at T=1 b1 the row combine is 24 CTAs on 24 of 132 SMs, each pulling a whole row's
-// partials (66 splits x 1 KB) through one SM's L1 and its few outstanding misses; here the same
-// bytes come through 4x (DC = 64) or 8x (DC = 32) as many SMs, each CTA's share one round trip.
+// combine above with the row's D dims spread over D / DC CTAs (HH_VERIFY_ATTENTION_COMBINE=col,
+// opt-in). Why it was tried: at T=1 b1 the row combine is 24 CTAs on 24 of 132 SMs, each pulling
+// a whole row's partials (66 splits x 1 KB) through one SM; here 4x (DC = 64) or 8x (DC = 32) as
+// many SMs share the bytes. Measured (H200, session 5): no gain at 100K b1 (T=1 72.9 vs 72.9 µs,
+// T=8 91-93 vs 91.6): the row combine's own span is ~2 µs (its stamps: 1.9 at DC = D, 1.6 at
+// DC = 64), the rest of the ~9 µs node is not this kernel's work (NOTES.md).
 // Same arithmetic as the row combine (fp32, one L2 round trip for a chunk of U x SG splits, the
 // (max, sum) pairs once per CTA in shared memory); the groups' sums are added by a tree over the
 // SG = 1024 / DC split groups. DC = D is the row combine's grid. trace_on: thread 0 stores
