@@ -66,7 +66,6 @@ def copy_bandwidth() -> float:
         torch.cuda.synchronize()
         times.append(e0.elapsed_time(e1) * 1e-3)
     del a, b
-    torch.cuda.empty_cache()  # the flush buffer and the pool must not be carved from these 4 GiB (NOTES.md)
     return 2 * n / statistics.median(times) / 1e9
 
 
@@ -275,11 +274,6 @@ class Problem:
         bad = torch.isnan(self.out).any().item()
         err = ((self.out.float() - ref).norm() / ref.norm()).item()
         self.out.fill_(float("nan"))
-        del ref
-        # The reference's fp32 copy of the keys (0.8-6.4 GB) would stay in the caching allocator,
-        # and the timed graph's buffers would be carved from it: +7 µs at 100K T=1 b1 in that
-        # state (diag_state.py, NOTES.md). The engine allocates its buffers once, as a fresh process.
-        torch.cuda.empty_cache()
         return float("nan") if bad else err
 
 
