@@ -83,19 +83,29 @@ def flush_l2(flush: torch.Tensor) -> None:
 _SINK: dict[torch.device, torch.Tensor] = {}
 
 
-def time_graph(fn: Callable[[], object], flush: torch.Tensor, budget_s: float = 0.25) -> float:
-    """Median µs of CUDA-graph replays of fn, L2 flushed (by a read, flush_l2) before each."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+def capture(fn: Callable[[], object], warm_on_side_stream: bool = True) -> torch.cuda.CUDAGraph:
+    """fn run once eagerly (on a side stream, as torch's capture docs ask), then captured in a
+    graph that is replayed once; returns the graph."""
+    if warm_on_side_stream:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+    else:
         fn()
-    torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def time_graph(fn: Callable[[], object], flush: torch.Tensor, budget_s: float = 0.25) -> float:
+    """Median µs of CUDA-graph replays of fn, L2 flushed (by a read, flush_l2) before each."""
+    graph = capture(fn)
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     flush_l2(flush)
     e0.record()

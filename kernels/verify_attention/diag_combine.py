@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.verify_attention.bench import HKV, HQ, Problem, flush_l2, fmt, make_pool, row, time_graph
+from kernels.verify_attention.bench import HKV, HQ, Problem, capture, flush_l2, fmt, make_pool, row, time_graph
 
 CTX = 100_000
 TRACE_REPLAYS = 10
@@ -107,13 +107,7 @@ def _trace(prob: Problem, flush: torch.Tensor, cols: int, ws: bool) -> dict[str,
     tr_s = torch.zeros(HKV * n_qt * splits * prob.batch, 8, dtype=torch.int64, device="cuda")
     tr_c = torch.zeros(n * hq * (d // cols), 8, dtype=torch.int64, device="cuda")
     fn = prob.cuda_variant(combine_kernel="col", combine_cols=cols, workspace=ws, trace=tr_s, combine_trace=tr_c)
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = capture(fn, warm_on_side_stream=False)
     keys = ("event", "split_span", "gap", "comb_start_spread", "ph_ml", "ph_ml_max", "ph_sum", "ph_sum_max",
             "ph_end", "comb_cta_max", "comb_span", "outside", "sm_mhz", "sms")  # fmt: skip
     rec: dict[str, list[float]] = {k: [] for k in keys}
@@ -248,13 +242,7 @@ def loop_modes(flush: torch.Tensor, bw: float, results: list, reps: int = 30) ->
                "stamped split+col256": prob.cuda_variant(combine_kernel="col", combine_cols=256, trace=tr_s,
                                                          combine_trace=tr_c)}  # fmt: skip
         for name, fn in fns.items():
-            fn()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            graph.replay()
-            torch.cuda.synchronize()
+            graph = capture(fn, warm_on_side_stream=False)
             stamps = [(tr_s, "s"), (tr_c, "c")] if "stamped" in name else []
             for mode in ("tight", "idle", "sync", "tight"):
                 times, hist = _loop(graph, flush, mode, reps, stamps)
