@@ -79,6 +79,19 @@ def test_end_of_turn_state_vs_upstream_in_one_run(patched: Engine, upstream: Eng
     assert all(n >= 60 for n in theirs.reprefilled), theirs.reprefilled
 
 
+def test_warm_up_resumes_at_the_exact_end_in_one_run(patched: Engine, upstream: Engine) -> None:
+    # The proxy's warm-up (prompt + reply with max_tokens 1, off the critical path) feeds the
+    # reply's last token; with 0002 the engine keys the state at that prompt's own end, so when a
+    # turn ends on a hash unit (996 + 60, then + 164 + 60: multiples of 16) the next turn
+    # re-prefills nothing it has seen. Upstream stops one unit short (the prompt tail's cap).
+    kw = {"seed": 5, "turns": 3, "first": 996, "reply": 60, "new": 164, "warmup": True}
+    ours, theirs = agent_replay(patched, **kw), agent_replay(upstream, **kw)
+    print(f"warm-up, re-prefilled on the critical path: series {ours.reprefilled}, upstream {theirs.reprefilled}; "
+          f"off it: series {ours.warmup_prefilled}, upstream {theirs.warmup_prefilled}")
+    assert ours.reprefilled == [0, 0], ours.reprefilled
+    assert theirs.reprefilled == [UNIT, UNIT], theirs.reprefilled
+
+
 # bf16 logits of this model step by 2**-7..2**-5 nats: exact ties occur and either side may win.
 # A wrong resumed state shows up as tokens far below the cold argmax.
 NEAR_TIE = 0.1

@@ -132,3 +132,30 @@ def test_identical_resend_still_hits_the_prompt_tail() -> None:
     prompt = _tokens(rng, 333)
     sim.turn(prompt, _tokens(rng, 90))
     assert sim.turn(prompt, []) == 320
+
+
+@pytest.mark.parametrize("unit", [1, 16])
+def test_warm_up_makes_the_next_turn_resume_at_the_exact_end(unit: int) -> None:
+    # The proxy's warm-up (prompt + reply sent with max_tokens 1 while the harness runs its tools)
+    # feeds the reply's last token, the one no forward has seen; 0002 keys the state at the
+    # prompt's own end, so the next turn re-prefills nothing it has seen. Without the warm-up the
+    # floor is that one token (unit 1) or the distance to the last unit boundary.
+    sim = Sim(Layout(unit=unit, sliding_window=None))
+    rng = random.Random(unit)
+    prompt, reply = _tokens(rng, 203 if unit == 1 else 196), _tokens(rng, 60)
+    seen = len(prompt) + len(reply)  # 263 / 256: a unit multiple in both layouts
+    sim.turn(prompt, reply)
+    assert sim.probe(prompt + reply + _tokens(rng, 30)).hit == (seen - 1) // unit * unit
+    sim.turn(prompt + reply, _tokens(rng, 1))  # the warm-up: prefills 1 token (unit 1)
+    follow_up = sim.probe(prompt + reply + _tokens(rng, 30))
+    assert follow_up.hit == seen
+    assert follow_up.mamba_block.block_hash_num_tokens == seen
+
+
+def test_warm_up_reaches_the_exact_end_only_with_the_patch(upstream: None) -> None:
+    sim = Sim(Layout(unit=1, sliding_window=None))
+    rng = random.Random(5)
+    prompt, reply = _tokens(rng, 203), _tokens(rng, 60)
+    sim.turn(prompt, reply)
+    sim.turn(prompt + reply, _tokens(rng, 1))
+    assert sim.probe(prompt + reply + _tokens(rng, 30)).hit == len(prompt) + len(reply) - 1
