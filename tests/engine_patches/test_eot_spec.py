@@ -278,3 +278,32 @@ def test_no_reservation_without_the_switch(monkeypatch: pytest.MonkeyPatch) -> N
     request.num_computed_tokens = 21
     request.append_output_token_ids(5)
     assert Scheduler._reserve_eot_snapshots(_scheduler(manager, request), {"r": 1 + K}) is None
+
+
+@pytest.mark.parametrize("eot", [True, False], ids=["series", "upstream"])
+def test_warm_up_keys_the_prompt_end_with_a_speculator(monkeypatch: pytest.MonkeyPatch, eot: bool) -> None:
+    """The proxy's warm-up (prompt + reply, max_tokens 1) under align mode with k spec blocks: its
+    prefill ends on a unit (20 tokens, not a block multiple), 0002 keys that state (copy-on-write
+    of the running block, as the upstream prompt tail's), so the next turn resumes at exactly 20;
+    upstream stops at the prompt tail's cap, one unit short.  (States resumed this way equal cold
+    recomputes in the engine: patches/README.md, the 0005 replay.)"""
+    monkeypatch.setattr(stm, "END_OF_TURN_STATE", eot)
+    init_none_hash(sha256_cbor)
+    hasher = get_request_block_hasher(UNIT, sha256_cbor)
+    manager = _kv_manager()
+    prompt = [random.Random(7).randrange(1000, 50_000) for _ in range(20)]
+
+    def request(ids: list[int]) -> Request:
+        return Request(request_id=f"w{len(ids)}", prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=1),
+                       pooling_params=None, block_hasher=hasher)
+
+    warm = request(prompt)
+    blocks, hit, _ = manager.get_computed_blocks(warm)
+    assert manager.allocate_slots(warm, len(prompt) - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+    warm.num_computed_tokens = len(prompt)
+    manager.take_kv_cache_block_copies()
+    manager.free(warm)
+    _, hit, _ = manager.get_computed_blocks(request(prompt + [7, 8, 9, 10, 11]))
+    # Upstream: short of 20 (here 0: this one-step prefill does not stop at the prompt tail's
+    # checkpoint as the real scheduler's chunking does; the engine's upstream run stops one unit short).
+    assert hit == 20 if eot else hit < 20, hit
