@@ -200,6 +200,29 @@ def fixed_cost(
     torch.cuda.empty_cache()
 
 
+def time_variants(
+    prob: Problem, variants: dict[str, Callable[[], object]], label: str, flush: torch.Tensor, bw: float,
+    results: list, no_output: Callable[[str], bool],
+) -> dict[str, float]:
+    """µs of each variant (bench's harness) and its error vs the reference unless no_output(name)
+    (it does not write prob.out); prints and records one row each, reports a failing variant and
+    goes on. Returns name -> µs."""
+    us: dict[str, float] = {}
+    for name, fn in variants.items():
+        try:
+            fn()
+            err = float("nan") if no_output(name) else prob.error()
+            us[name] = time_graph(fn, flush)
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            print(f"{label} {name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+            continue
+        prob.out.fill_(float("nan"))
+        r = row(f"{label} {name}", us[name], prob.int8_bytes, bw, None, err)
+        results.append(r)
+        print(fmt(r), flush=True)
+    return us
+
+
 def node_costs(flush: torch.Tensor, bw: float, results: list, before_mod: Any = None) -> None:
     """Issue 6: the fixed cost at 100K b1 (T=1, T=8) per pool size, in one process.
 
@@ -250,19 +273,8 @@ def node_costs(flush: torch.Tensor, bw: float, results: list, before_mod: Any = 
                 "probe-S132": probe(pool.k, prob.block_table, prob.seq_lens, prob.cu_q, t, HQ, 132),
             })  # fmt: skip
             label = f"pool={tokens // 1000}K ctx=100000 T={t} b=1"
-            us: dict[str, float] = {}
-            for name, fn in variants.items():
-                try:
-                    fn()
-                    err = prob.error() if "split" not in name and "probe" not in name and "empty" not in name else float("nan")
-                    us[name] = time_graph(fn, flush)
-                except Exception as exc:  # noqa: BLE001 - report and go on
-                    print(f"{label} {name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-                    continue
-                prob.out.fill_(float("nan"))
-                r = row(f"{label} {name}", us[name], prob.int8_bytes, bw, None, err)
-                results.append(r)
-                print(fmt(r), flush=True)
+            us = time_variants(prob, variants, label, flush, bw, results,
+                               lambda n: "split" in n or "probe" in n or "empty" in n)
             ref = us.get("before", us.get("default", 1.0))
             print(f"  {label}: " + ", ".join(
                 f"{k} {v:.1f} ({100 * prob.int8_bytes / v / 1e3 / bw:.1f}%, before/x {ref / v:.2f})"

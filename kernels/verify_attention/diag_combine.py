@@ -30,7 +30,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.verify_attention.bench import HKV, HQ, Problem, capture, flush_l2, fmt, make_pool, row, time_graph
+from kernels.verify_attention.bench import HKV, HQ, Problem, capture, flush_l2, make_pool
+from kernels.verify_attention.diag import time_variants
 
 CTX = 100_000
 TRACE_REPLAYS = 10
@@ -156,20 +157,8 @@ def combine_costs(flush: torch.Tensor, bw: float, results: list) -> None:
     for t in (1, 8):
         prob = Problem(pool, 1, CTX, t, HQ)
         label = f"ctx=100000 T={t} b=1"
-        us: dict[str, float] = {}
-        for name, fn in _variants(prob, node).items():
-            try:
-                fn()
-                writes_out = not any(x in name for x in ("split-only", "split+empty", "empty-node"))
-                err = prob.error() if writes_out else float("nan")
-                us[name] = time_graph(fn, flush)
-            except Exception as exc:  # noqa: BLE001 - report and go on
-                print(f"{label} {name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-                continue
-            prob.out.fill_(float("nan"))
-            r = row(f"{label} {name}", us[name], prob.int8_bytes, bw, None, err)
-            results.append(r)
-            print(fmt(r), flush=True)
+        us = time_variants(prob, _variants(prob, node), label, flush, bw, results,
+                           lambda n: any(x in n for x in ("split-only", "split+empty", "empty-node")))
         base = us.get("split+empty", 0.0)
         print(f"  {label} over split+empty: " + ", ".join(
             f"{k} {v - base:+.1f}" for k, v in us.items() if k not in ("split+empty", "empty-node")

@@ -697,6 +697,56 @@ __global__ void __launch_bounds__(256) verify_attn_combine(
   }
 }
 
+// The part of the row and column-block combines they share, for one CTA of 256 threads: SG split
+// groups of 256 / SG threads, each thread one 16-byte column `pa` of split 0's partial row (split
+// s at pa + s D). Issues chunk 0's loads (U splits per group) before the (max, sum) pairs of all
+// splits are read into ml_s and the row max is reduced (red: 8 floats; `tr`: stamp t_ml after
+// that barrier), then adds the chunks' weighted columns into a and the weighted sums into den.
+template <int D, int SG, int U, int MLS>
+DI void combine_row_chunks(const float* pa, const float2* ml, int num_splits, float2* ml_s, float* red,
+                           bool tr, u64& t_ml, float4& a, float& den) {
+  using namespace va;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int sg = tid / (256 / SG);  // compile-time divisor
+  float4 v[U];
+  auto issue = [&](int c0) {  // chunk c0: splits sg + (c0 + k) SG
+    const float* const p0 = pa + (i64)(sg + c0 * SG) * D;  // + k SG D: immediate offsets
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (sg + (c0 + k) * SG < num_splits) v[k] = *reinterpret_cast<const float4*>(p0 + k * SG * D);
+    }
+  };
+  issue(0);
+  float mmax = NEG_INF;
+  for (int s = tid; s < MLS + U * SG; s += 256) {
+    const float2 t = s < num_splits ? ml[s] : make_float2(NEG_INF, 0.f);
+    ml_s[s] = t;
+    mmax = fmaxf(mmax, t.x);
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) mmax = fmaxf(mmax, shfl_xor(mmax, o));
+  if (lane == 0) red[warp] = mmax;
+  __syncthreads();
+  if (tr) t_ml = globaltimer();
+  mmax = red[0];
+#pragma unroll
+  for (int w = 1; w < 8; ++w) mmax = fmaxf(mmax, red[w]);
+  for (int c0 = 0;;) {
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      // m = -inf: no visible key in that split (or past num_splits): weight 0, data not used.
+      const float2 t = ml_s[sg + (c0 + k) * SG];
+      const float w = t.x == NEG_INF ? 0.f : ex2(t.x - mmax);
+      den += w * t.y;
+      if (w > 0.f) a.x += w * v[k].x, a.y += w * v[k].y, a.z += w * v[k].z, a.w += w * v[k].w;
+    }
+    c0 += U;
+    if (c0 * SG >= num_splits) break;  // uniform over the CTA
+    issue(c0);
+  }
+}
+
 // Merge for the wgmma kernel, one CTA per (token, query head) row: the default from 32 splits
 // since session 5 (HH_VERIFY_ATTENTION_COMBINE=w selects combine_w below). Why: on the H200 the
 // combine_w node costs ~10 µs over the split kernel alone at 100K b1, T=1 and T=8 alike (an empty
@@ -726,49 +776,15 @@ __global__ void __launch_bounds__(256, 2) verify_attn_combine_r(
   __shared__ float4 acc_s[SG][L];
   __shared__ float den_s[SG];
   __shared__ float2 ml_s[MLS + U * SG];  // (max, sum) per split; (-inf, 0) past num_splits
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x;
   const int rowi = blockIdx.x;
   const int sg = tid / L, d4 = tid % L;  // compile-time divisor
   const float2* const ml = reinterpret_cast<const float2*>(part_ml) + (i64)rowi * num_splits;
   const float* const pa = part_acc + (i64)rowi * num_splits * D + 4 * d4;
-  float4 v[U];
-  auto issue = [&](int c0) {  // chunk c0: splits sg + (c0 + k) SG
-    const float* const p0 = pa + (i64)(sg + c0 * SG) * D;  // + k SG D: immediate offsets
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-      v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (sg + (c0 + k) * SG < num_splits) v[k] = *reinterpret_cast<const float4*>(p0 + k * SG * D);
-    }
-  };
-  issue(0);
-  float mmax = NEG_INF;
-  for (int s = tid; s < MLS + U * SG; s += 256) {
-    const float2 t = s < num_splits ? ml[s] : make_float2(NEG_INF, 0.f);
-    ml_s[s] = t;
-    mmax = fmaxf(mmax, t.x);
-  }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) mmax = fmaxf(mmax, shfl_xor(mmax, o));
-  if (lane == 0) red[warp] = mmax;
-  __syncthreads();
-  mmax = red[0];
-#pragma unroll
-  for (int w = 1; w < 8; ++w) mmax = fmaxf(mmax, red[w]);
   float den = 0.f;
   float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int c0 = 0;;) {
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-      // m = -inf: no visible key in that split (or past num_splits): weight 0, data not used.
-      const float2 t = ml_s[sg + (c0 + k) * SG];
-      const float w = t.x == NEG_INF ? 0.f : ex2(t.x - mmax);
-      den += w * t.y;
-      if (w > 0.f) a.x += w * v[k].x, a.y += w * v[k].y, a.z += w * v[k].z, a.w += w * v[k].w;
-    }
-    c0 += U;
-    if (c0 * SG >= num_splits) break;  // uniform over the CTA
-    issue(c0);
-  }
+  u64 t_ml;
+  combine_row_chunks<D, SG, U, MLS>(pa, ml, num_splits, ml_s, red, false, t_ml, a, den);
   acc_s[sg][d4] = a;
   if (d4 == 0) den_s[sg] = den;
   __syncthreads();
@@ -823,50 +839,14 @@ __global__ void __launch_bounds__(256) verify_attn_combine_c(
   __shared__ float4 acc_s[SG][L];
   __shared__ float den_s[SG];
   __shared__ float2 ml_s[MLS + U * SG];  // (max, sum) per split; (-inf, 0) past num_splits
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x;
   const int rowi = blockIdx.x / NC, cb = blockIdx.x - rowi * NC;  // compile-time divisor
   const int sg = tid / L, d4 = tid % L;
   const float2* const ml = reinterpret_cast<const float2*>(part_ml) + (i64)rowi * num_splits;
   const float* const pa = part_acc + (i64)rowi * num_splits * D + cb * DC + 4 * d4;
-  float4 v[U];
-  auto issue = [&](int c0) {  // chunk c0: splits sg + (c0 + k) SG
-    const float* const p0 = pa + (i64)(sg + c0 * SG) * D;
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-      v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (sg + (c0 + k) * SG < num_splits) v[k] = *reinterpret_cast<const float4*>(p0 + k * SG * D);
-    }
-  };
-  issue(0);
-  float mmax = NEG_INF;
-  for (int s = tid; s < MLS + U * SG; s += 256) {
-    const float2 t = s < num_splits ? ml[s] : make_float2(NEG_INF, 0.f);
-    ml_s[s] = t;
-    mmax = fmaxf(mmax, t.x);
-  }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) mmax = fmaxf(mmax, shfl_xor(mmax, o));
-  if (lane == 0) red[warp] = mmax;
-  __syncthreads();
-  if (tr) t1 = globaltimer();
-  mmax = red[0];
-#pragma unroll
-  for (int w = 1; w < 8; ++w) mmax = fmaxf(mmax, red[w]);
   float den = 0.f;
   float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int c0 = 0;;) {
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-      // m = -inf: no visible key in that split (or past num_splits): weight 0, data not used.
-      const float2 t = ml_s[sg + (c0 + k) * SG];
-      const float w = t.x == NEG_INF ? 0.f : ex2(t.x - mmax);
-      den += w * t.y;
-      if (w > 0.f) a.x += w * v[k].x, a.y += w * v[k].y, a.z += w * v[k].z, a.w += w * v[k].w;
-    }
-    c0 += U;
-    if (c0 * SG >= num_splits) break;  // uniform over the CTA
-    issue(c0);
-  }
+  combine_row_chunks<D, SG, U, MLS>(pa, ml, num_splits, ml_s, red, tr, t1, a, den);
   acc_s[sg][d4] = a;
   if (d4 == 0) den_s[sg] = den;
   __syncthreads();
