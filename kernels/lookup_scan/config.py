@@ -47,9 +47,10 @@ FAST = 0
 
 def workspace_numel(batch: int) -> int:
     """int64 elements of the workspace for B requests: one 128-byte line per request (SPREAD=1;
-    SPREAD=0 uses the first 2 * B).  Callers allocate zeros of this size once and reuse them; the
-    kernel leaves them zero."""
-    return 16 * batch
+    SPREAD=0 uses the first 2 * B), then one int32 slot per program (POLL=1: B * P <= max(8192,
+    8 B) for every RULE tier, P = min(tiles, max(8, cap // B))).  Callers allocate zeros of this
+    size once and reuse them; the kernel leaves them zero."""
+    return 16 * batch + max(8192, 8 * batch) // 2
 
 
 def block_tokens(config: tuple[int, ...]) -> int:
@@ -90,6 +91,12 @@ CANDIDATES["c5"] = (4, (_C1, _C1, _C4_T2, {**_C1, "HIT": 3, "SHORT": _SHORT_B}))
 # n5-5 6.39 / 6.76 µs vs c1 6.71 / 7.81) and c4 is not (1.072x on 8K B8 n5-5 vocab 8, a row where
 # its code is c1's: noise, but the rule is the rule).
 # H200 calls 4 and 6: c6 and c7 lose to c5 on most rows (NOTES.md): c5 stays.
+# c10 / c11 (session 6): POLL=1 (per-program slots and a polling last program instead of the
+# max word and the tickets; triton._poll_slots) on every tier / on the one-warp tiers only.
+_P = {"POLL": 1}
+CANDIDATES["c10"] = (4, tuple({**t, **_P, "SHORT": {**t["SHORT"], **_P}} if "SHORT" in t else {**t, **_P}
+                              for t in CANDIDATES["c5"][1]))
+CANDIDATES["c11"] = (4, (*CANDIDATES["c10"][1][:2], *CANDIDATES["c5"][1][2:]))
 DEFAULT = "c5"
 
 

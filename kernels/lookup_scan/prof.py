@@ -248,7 +248,7 @@ def time_rows(passes: int) -> None:
     print("registers (quote launch): " + "  ".join(f"{r}:{n} {v}" for (r, n), v in regs.items()), flush=True)
 
 
-def stamp_rows(replays: int = 30) -> None:
+def stamp_rows(replays: int = 30, names: tuple[str, ...] = ("c5",)) -> None:
     """%globaltimer stamps (STAMPS=1) of c5's launch on both goal rows and histories, each replay a
     cold one (a graph of the 96 MB memset and the kernel): when programs start, when their length
     and their scan are done, when their ticket returns, and the finisher's max and draft reads.
@@ -256,13 +256,14 @@ def stamp_rows(replays: int = 30) -> None:
     without stamps beside them (the stamps' own cost)."""
     import statistics
 
-    from kernels.lookup_scan.triton import block_tokens, lookup_scan_fwd, workspace_numel
+    from kernels.lookup_scan.triton import block_tokens, candidate, lookup_scan_fwd, workspace_numel
 
     scrub = torch.empty(96 << 20, dtype=torch.int8, device="cuda")
-    for row, name in (("a", "c5"), ("b", "c5")):
-        config, opts = VARIANTS[row][name]
+    for row, name in ((r, n) for r in ("a", "b") for n in names):
         for kind in ("quote", "lowent"):
             _, _, tok, lens, mn, mx = _setup(row, kind)
+            # the named launcher default at this row (c5 there = VARIANTS[row]["c5"])
+            config, opts = candidate(name, tok.shape[0], tok.shape[1], mx)
             B = tok.shape[0]
             P = min(-(-tok.shape[1] // block_tokens(config)), max(8, config[3] // B))  # the launcher's grid
             st = torch.zeros(B, P, 8, dtype=torch.int64, device="cuda")
@@ -368,6 +369,7 @@ def main() -> None:
     ap.add_argument("--no-variants", action="store_true", help="--precompile: only the --ab and GPU-test launches")
     ap.add_argument("--candidates", default="", help="--precompile: bench rows of these triton.CANDIDATES, not --fences")
     ap.add_argument("--stamps", action="store_true", help="%%globaltimer stamps of c5 on both goal rows")
+    ap.add_argument("--stamp-candidates", default="c5", help="--stamps: these triton.CANDIDATES")
     ap.add_argument("--sweep2", action="store_true", help="goal rows over tiles x switches (with --precompile: compile them)")
     ap.add_argument("--pick", default=None, help="--sweep2: write the picks here (bench.py --auto)")
     ap.add_argument("--auto", default=None, help="a --sweep2 pick file: registers candidates auto, auto2")
@@ -386,7 +388,7 @@ def main() -> None:
     if args.time:
         time_rows(args.passes)
     if args.stamps:
-        stamp_rows()
+        stamp_rows(names=tuple(c for c in args.stamp_candidates.split(",") if c))
     if args.eager:
         eager(*args.eager)
 

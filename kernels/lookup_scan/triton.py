@@ -227,12 +227,12 @@ def lookup_scan_kernel(
     POS_BITS: tl.constexpr, FENCE: tl.constexpr, ORDER: tl.constexpr,
     FAST: tl.constexpr = 0, FOLD: tl.constexpr = 1, SUFFIX_AT_S: tl.constexpr = 0,
     SPREAD: tl.constexpr = 0, COVER: tl.constexpr = 0, EDGE_ONLY: tl.constexpr = 0, TICKETS: tl.constexpr = 0,
-    HIT: tl.constexpr = 0, STAMPS: tl.constexpr = 0,
+    HIT: tl.constexpr = 0, STAMPS: tl.constexpr = 0, POLL: tl.constexpr = 0, PP: tl.constexpr = 1,
 ):
     BLOCK: tl.constexpr = ROWS * 4 * NV
     i_p, i_b = tl.program_id(0), tl.program_id(1)
+    p_st = stamps + (i_b * P + i_p) * 8  # STAMPS only (unused otherwise)
     if STAMPS:  # timing only: int64 [B, P, 8] ns stamps (entry, length, scan done, ticket, max, draft)
-        p_st = stamps + (i_b * P + i_p) * 8
         t_entry = _stamp(i_p)
     # The request's two int32 words: SPREAD=0 packs every request's max in ws[0:B] and its ticket
     # in ws[B:2B] (all of a batch's tickets on one line: at 256K B8, 1024 atomics on one 64-byte
@@ -280,6 +280,21 @@ def lookup_scan_kernel(
     if FOLD == 0:  # timing only (opts): no fold, no draft; the store keeps the scan alive
         if best < 0:
             tl.store(w_max, best)
+    elif POLL:
+        if i_p < n_act:
+            # Per-program slots after the B lines: ws[32 B + i_b P + i_p] = best + 1 (0 = not yet).
+            w_sl = ws + 32 * B + i_b * P
+            if i_p == n_act - 1:
+                best = _poll_slots(w_sl, best, n_act, PP)
+                if STAMPS:
+                    tl.store(p_st + 3, _stamp(best))
+                    tl.store(p_st + 4, _stamp(best))
+                _finish(p_h, best, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS, STAMPS)
+            else:
+                # A relaxed RMW (a RED: fire and forget, no fence): the slot is the whole message
+                # (the draft is read from the history, which no program writes), so nothing else
+                # has to be ordered before it.
+                tl.atomic_max(w_sl + i_p, best + 1, sem="relaxed")
     elif i_p < n_act:
         # TICKETS > 0: two-level tickets (timing variant): program i_p counts on group word
         # i_p % TICKETS of the request's line and the last of each group takes the request's
@@ -345,17 +360,43 @@ def lookup_scan_kernel(
                 best = tl.load(w_max, volatile=True)
             if STAMPS:
                 tl.store(p_st + 4, _stamp(best))
-            o_d = tl.arange(0, KP)
             tl.store(w_max, 0)
             tl.store(w_tk, 0)
-            start = best & ((1 << POS_BITS) - 1)  # e + 1 of the winning end position
-            nv = tl.where(best > 0, tl.minimum(L - start, K_DRAFT), 0)
-            d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
-            out = tl.where(o_d < nv, d_tok, s[0]).to(tl.int64)
-            if STAMPS:
-                tl.store(p_st + 5, _stamp(tl.sum(out, axis=0)))
-            tl.store(drafts + i_b * K_DRAFT + o_d, out, mask=o_d < K_DRAFT)
-            tl.store(num_valid + i_b, nv.to(tl.int32))
+            _finish(p_h, best, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS, STAMPS)
+
+
+@triton.jit
+def _finish(p_h, best, L, s, drafts, num_valid, i_b, p_st, K_DRAFT: tl.constexpr, KP: tl.constexpr,
+            POS_BITS: tl.constexpr, STAMPS: tl.constexpr):
+    """The request's proposal from its best packed score: the K_DRAFT tokens after the winning end
+    position (fewer at the history's end), the last token in the slots past num_valid."""
+    o_d = tl.arange(0, KP)
+    start = best & ((1 << POS_BITS) - 1)  # e + 1 of the winning end position
+    nv = tl.where(best > 0, tl.minimum(L - start, K_DRAFT), 0)
+    d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
+    out = tl.where(o_d < nv, d_tok, s[0]).to(tl.int64)
+    if STAMPS:
+        tl.store(p_st + 5, _stamp(tl.sum(out, axis=0)))
+    tl.store(drafts + i_b * K_DRAFT + o_d, out, mask=o_d < K_DRAFT)
+    tl.store(num_valid + i_b, nv.to(tl.int32))
+
+
+@triton.jit
+def _poll_slots(w_sl, best, n_act, PP: tl.constexpr):
+    """POLL=1's fold: the request's last active program waits (volatile loads, L2) until the other
+    n_act - 1 programs have written their slots, takes the max and zeroes the slots for the next
+    launch.  No ticket and no max word: where c5's last program pays a contended ticket RMW and
+    then a max read (two dependent L2 trips after the last scan), the poller sees the last slot
+    about one L2 trip after it lands.  It never waits for a program that cannot start: it holds one
+    warp slot of one SM, the others run elsewhere or after their neighbours.  Triton's interpreter
+    runs programs in grid order, so the slots are all written when the poller runs there."""
+    o_s = tl.arange(0, PP)
+    live = o_s < n_act - 1
+    v = tl.load(w_sl + o_s, mask=live, other=1, volatile=True)  # [PP] best + 1, 0 = not yet
+    while tl.min(v, axis=0) == 0:
+        v = tl.maximum(v, tl.load(w_sl + o_s, mask=live & (v == 0), other=0, volatile=True))
+    tl.store(w_sl + o_s, tl.zeros_like(v), mask=live)
+    return tl.maximum(best, tl.max(v, axis=0) - 1)
 
 
 def lookup_scan_fwd(
@@ -392,7 +433,12 @@ def lookup_scan_fwd(
         base_opts = {}
     nv, g, nw, cap, fence, order = config
     kw = {**base_opts, **(opts or {})}
-    need = workspace_numel(B) if kw.get("SPREAD") else 2 * B
+    block = block_tokens((nv, g, nw))
+    P = programs_per_request or max(1, min(triton.cdiv(S, block), max(8, cap // max(B, 1))))
+    need = workspace_numel(B) if kw.get("SPREAD") or kw.get("POLL") else 2 * B
+    if kw.get("POLL"):  # one int32 slot per program after the B request lines (_poll_slots)
+        need = max(need, 16 * B + triton.cdiv(B * P, 2))
+        kw["PP"] = triton.next_power_of_2(P)
     if workspace is None:
         workspace = torch.zeros(need, dtype=torch.int64, device=dev)
     elif workspace.dim() != 1 or workspace.numel() < need or workspace.dtype != torch.int64 or not workspace.is_contiguous():
@@ -402,8 +448,6 @@ def lookup_scan_fwd(
         torch.empty(B, num_draft, dtype=torch.int64, device=dev),
         torch.empty(B, dtype=torch.int32, device=dev),
     )
-    block = block_tokens((nv, g, nw))
-    P = programs_per_request or max(1, min(triton.cdiv(S, block), max(8, cap // max(B, 1))))
     # COVER=1 asks for the loop-free kernel; it is only right when the grid covers every end
     # position of the buffer (seq_lens <= S): n_tiles = cdiv(L - 1, BLOCK) <= P.
     kw["COVER"] = int(bool(kw.get("COVER")) and P * block >= S - 1)
