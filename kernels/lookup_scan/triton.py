@@ -395,6 +395,10 @@ def _poll_slots(w_sl, best, n_act, PP: tl.constexpr):
     v = tl.load(w_sl + o_s, mask=live, other=1, volatile=True)  # [PP] best + 1, 0 = not yet
     while tl.min(v, axis=0) == 0:
         v = tl.maximum(v, tl.load(w_sl + o_s, mask=live & (v == 0), other=0, volatile=True))
+    # A multi-warp program polls in every warp (v is replicated across them and the loop's reduction
+    # is warp-local): no warp may zero the slots before every warp has left the loop, or the others
+    # spin forever (seen on the H200: a four-warp poller hung without this barrier).
+    tl.debug_barrier()
     tl.store(w_sl + o_s, tl.zeros_like(v), mask=live)
     return tl.maximum(best, tl.max(v, axis=0) - 1)
 
