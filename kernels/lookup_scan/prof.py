@@ -45,9 +45,14 @@ VARIANTS = {
         "sfx~": (_A4, {**_SC, "SUFFIX_AT_S": 1}),
         "nofold sfx~": (_A4, {**_SC, "FOLD": 0, "SUFFIX_AT_S": 1}),
         "F1": (_A, _SC),
+        # session 6: POLL (per-program slots, a polling last program) over tiles (NV/G/warps): fewer,
+        # larger programs leave the poller fewer slots to read
+        **{f"poll {nv}/1/{w}": ((nv, 1, w, 4096, 4, 0), {**_SC, "POLL": 1})
+           for nv, w in ((2, 1), (4, 1), (2, 2), (4, 2), (2, 4), (4, 4))},
     },
     "b": {
         "c5": (_B5, _F2H3),
+        "poll": (_B5, {**_F2H3, "POLL": 1}),
         "nofold~": (_B5, {**_F2H3, "FOLD": 0}),
         "sfx~": (_B5, {**_F2H3, "SUFFIX_AT_S": 1}),
         "c1": (_B4, _SC),
