@@ -97,6 +97,12 @@ _P = {"POLL": 1}
 CANDIDATES["c10"] = (4, tuple({**t, **_P, "SHORT": {**t["SHORT"], **_P}} if "SHORT" in t else {**t, **_P}
                               for t in CANDIDATES["c5"][1]))
 CANDIDATES["c11"] = (4, (*CANDIDATES["c10"][1][:2], *CANDIDATES["c5"][1][2:]))
+# c12: c10 where a request has at most 256 programs.  H200 (session 6, NOTES.md): POLL gains 3-14% on
+# the rows with few programs per request (8K B1 / B8, 32K B1 / B8, 100K B8, 256K B8) and loses 4-8% at
+# 100K B1 (391 programs: the poller's 16 slot loads per lane per poll), whatever the tile there.
+_PQ = {"POLL_MAX_P": 256}
+CANDIDATES["c12"] = (4, tuple({**t, **_PQ, "SHORT": {**t["SHORT"], **_PQ}} if "SHORT" in t else {**t, **_PQ}
+                              for t in CANDIDATES["c5"][1]))
 DEFAULT = "c5"
 
 

@@ -439,6 +439,8 @@ def lookup_scan_fwd(
     kw = {**base_opts, **(opts or {})}
     block = block_tokens((nv, g, nw))
     P = programs_per_request or max(1, min(triton.cdiv(S, block), max(8, cap // max(B, 1))))
+    if "POLL_MAX_P" in kw:  # POLL only up to this many programs per request (the poller reads P slots)
+        kw["POLL"] = int(P <= kw.pop("POLL_MAX_P"))
     need = workspace_numel(B) if kw.get("SPREAD") or kw.get("POLL") else 2 * B
     if kw.get("POLL"):  # one int32 slot per program after the B request lines (_poll_slots)
         need = max(need, 16 * B + triton.cdiv(B * P, 2))
