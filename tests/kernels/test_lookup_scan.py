@@ -169,14 +169,15 @@ def test_rule_tiers():
     assert tier_candidate("c4", 3, 5)[0][:3] == (1, 4, 4) and tier_candidate("c4", 3, 12)[0][:4] == CONFIG_LARGE[:4]
 
 
-@pytest.mark.parametrize("cand", ["c5", "c3", "c10"])
+@pytest.mark.parametrize("cand", ["c12", "c5", "c3"])
 @pytest.mark.parametrize("tier", range(4), ids=["w1-128", "w1-256", "w4-1024-order", "w4-2048"])
 def test_rule_configs(tier, cand):
     """Each config the rule can pick, with the launcher's own grid (P from the cap): mixed lengths,
     a row shorter than the suffix, vocab-4 rows (every tile passes the hit test); with the kernel
-    switches of two candidate launcher defaults (c5, the default: FENCE 4, SPREAD, COVER, FAST 2 + HIT 3
-    on the four-warp tiers, the 4-token-row tile at max_n <= 5 on the large one; c3: TICKETS,
-    EDGE_ONLY / FAST 1).  FENCE 1 runs in test_configs_block_loop_and_idle_programs."""
+    switches of three candidate launcher defaults (c12, the default: c5 with POLL, which these few
+    programs per request always take; c5: FENCE 4 tickets, SPREAD, COVER, FAST 2 + HIT 3 on the
+    four-warp tiers, the 4-token-row tile at max_n <= 5 on the large one; c3: TICKETS, EDGE_ONLY /
+    FAST 1).  FENCE 1 runs in test_configs_block_loop_and_idle_programs."""
     from kernels.lookup_scan.triton import block_tokens, lookup_scan_fwd, tier_candidate, workspace_numel
 
     for min_n, max_n in [(6, 12), (5, 5)]:
