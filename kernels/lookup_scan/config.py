@@ -93,16 +93,17 @@ CANDIDATES["c5"] = (4, (_C1, _C1, _C4_T2, {**_C1, "HIT": 3, "SHORT": _SHORT_B}))
 # H200 calls 4 and 6: c6 and c7 lose to c5 on most rows (NOTES.md): c5 stays.
 # c10 / c11 (session 6): POLL=1 (per-program slots and a polling last program instead of the
 # max word and the tickets; triton._poll_slots) on every tier / on the one-warp tiers only.
-_P = {"POLL": 1}
-CANDIDATES["c10"] = (4, tuple({**t, **_P, "SHORT": {**t["SHORT"], **_P}} if "SHORT" in t else {**t, **_P}
-                              for t in CANDIDATES["c5"][1]))
+def _plus(per_tier: tuple[dict[str, Any], ...], extra: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    """Per-tier switches with `extra` added on every tier (and in its SHORT overrides)."""
+    return tuple({**t, **extra, **({"SHORT": {**t["SHORT"], **extra}} if "SHORT" in t else {})} for t in per_tier)
+
+
+CANDIDATES["c10"] = (4, _plus(CANDIDATES["c5"][1], {"POLL": 1}))
 CANDIDATES["c11"] = (4, (*CANDIDATES["c10"][1][:2], *CANDIDATES["c5"][1][2:]))
 # c12: c10 where a request has at most 256 programs.  H200 (session 6, NOTES.md): POLL gains 3-14% on
 # the rows with few programs per request (8K B1 / B8, 32K B1 / B8, 100K B8, 256K B8) and loses 4-8% at
 # 100K B1 (391 programs: the poller's 16 slot loads per lane per poll), whatever the tile there.
-_PQ = {"POLL_MAX_P": 256}
-CANDIDATES["c12"] = (4, tuple({**t, **_PQ, "SHORT": {**t["SHORT"], **_PQ}} if "SHORT" in t else {**t, **_PQ}
-                              for t in CANDIDATES["c5"][1]))
+CANDIDATES["c12"] = (4, _plus(CANDIDATES["c5"][1], {"POLL_MAX_P": 256}))
 # H200 call 5 of session 6 (rule fixed before it, NOTES.md; two bench passes, candidates timed after
 # and then before ours): c12 / c5 worst row 1.019, geometric mean 0.955 over the 32 rows, 256K B8
 # n5-5 6.22-6.25 / 6.39-6.45 µs vs 6.37-6.42 / 6.70-6.74: c12 becomes DEFAULT.

@@ -17,8 +17,10 @@ histories: almost all) stop after one compare per position.
 Programs fold their tile maxima into a per-request int32 with a relaxed ``atomic_max``; the last
 program of a request (an acq_rel ``atomic_add`` ticket, which also orders the max) reads the result,
 resets the two words and gathers the draft, so one graph-capturable launch does the whole lookup.
+POLL=1 (the default up to 256 programs per request, config.c12) folds without a ticket: each program
+but the last writes its maximum into its own slot and the last polls the slots (_poll_slots).
 The workspace is the caller's int64 [workspace_numel(B)] zeros, used as int32 words (SPREAD: one
-128-byte line per request).  Past the program cap a program loops over further tiles (loaded after
+128-byte line per request; then the POLL slots).  Past the program cap a program loops over further tiles (loaded after
 the length is known); COVER compiles that loop out where the grid covers the buffer.
 """
 
