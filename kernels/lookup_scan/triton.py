@@ -20,8 +20,9 @@ resets the two words and gathers the draft, so one graph-capturable launch does 
 POLL=1 (the default up to 256 programs per request, config.c12) folds without a ticket: each program
 but the last writes its maximum into its own slot and the last polls the slots (_poll_slots).
 The workspace is the caller's int64 [workspace_numel(B)] zeros, used as int32 words (SPREAD: one
-128-byte line per request; then the POLL slots).  Past the program cap a program loops over further tiles (loaded after
-the length is known); COVER compiles that loop out where the grid covers the buffer.
+128-byte line per request; then the POLL slots).  Past the program cap a program loops over
+further tiles (loaded after the length is known); COVER compiles that loop out where the grid
+covers the buffer.
 """
 
 from __future__ import annotations
