@@ -254,9 +254,10 @@ def time_rows(passes: int) -> None:
 
 
 def stamp_rows(replays: int = 30, names: tuple[str, ...] = ("c5",)) -> None:
-    """%globaltimer stamps (STAMPS=1) of c5's launch on both goal rows and histories, each replay a
-    cold one (a graph of the 96 MB memset and the kernel): when programs start, when their length
-    and their scan are done, when their ticket returns, and the finisher's max and draft reads.
+    """%globaltimer stamps (STAMPS=1) of the named candidates' launches (default c5) on both goal
+    rows and histories, each replay a cold one (a graph of the 96 MB memset and the kernel): when
+    programs start, when their length and their scan are done, when their ticket returns (POLL: the
+    finisher's poll ends, both stamps), and the finisher's max and draft reads.
     Medians over replays, µs after the first program's start; time_graph of the kernel with and
     without stamps beside them (the stamps' own cost)."""
     import statistics
