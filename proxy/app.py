@@ -98,7 +98,10 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if owns_upstream:
             services.upstream = Upstream.open(
-                settings.upstream, timeout_s=settings.upstream_timeout_s, api_key=settings.upstream_api_key
+                settings.upstream,
+                timeout_s=settings.upstream_timeout_s,
+                api_key=settings.upstream_api_key,
+                keepalive_s=settings.upstream_keepalive_s,
             )
         if owns_store:
             services.store = make_store(

@@ -161,7 +161,8 @@ async def run_mode(mode: str, url: str, engine: str, load: Load) -> ModeReport:
 
     rep = ModeReport(mode)
     nonce = f"{mode}-{secrets.token_hex(4)}"
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    # keepalive_expiry below vLLM's 5 s keep-alive: the engine never closes a connection we are reusing
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64, keepalive_expiry=3.0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as c:
         # Idle main-agent TTFT first (each a fresh prompt: no cache hit from a previous request).
         for i in range(load.idle_mains):

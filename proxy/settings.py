@@ -39,6 +39,9 @@ class Settings(BaseModel):
     # Next-turn warm-up: prefill prompt+output with max_tokens=1 right after a response ends.
     warmup: bool = False
     upstream_timeout_s: float = Field(default=3600, gt=0)
+    # how long an idle pooled connection to the engine is reused: below the engine's own keep-alive
+    # (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default), so the engine is never the one to close it
+    upstream_keepalive_s: float = Field(default=3.0, gt=0)
     log_level: str = "info"
 
     @field_validator("upstream")
@@ -79,6 +82,7 @@ class Settings(BaseModel):
             session_ttl_s=args.session_ttl,
             store_file=Path(args.store_file) if args.store_file else None,
             warmup=args.warmup,
+            upstream_keepalive_s=args.upstream_keepalive,
             log_level=args.log_level,
         )
 
@@ -114,6 +118,10 @@ def _parser() -> argparse.ArgumentParser:
         "--upstream-api-key-file",
         default=None,
         help=f"file holding the engine's key (else ${ENGINE_KEY_ENV} or $VLLM_API_KEY)",
+    )
+    p.add_argument(
+        "--upstream-keepalive", type=float, default=3.0,
+        help="seconds an idle connection to the engine is reused; keep it below the engine's keep-alive (vLLM: 5)",
     )
     p.add_argument("--redis-url", default=None, help="transcript store in Redis (default: in-process)")
     p.add_argument("--max-sessions", type=int, default=256)

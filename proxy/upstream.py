@@ -54,6 +54,33 @@ def _drop_prompt_ids(data: bytes) -> bytes:
     return data[:start] + b'"prompt_token_ids":null' + data[end + 1 :]
 
 
+# vLLM's HTTP server drops a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default), while
+# aiohttp keeps one pooled for 15 s: a request sent on it just as the server closes it fails with
+# "Server disconnected" (seen in CI under load). The pool lets go well before the server does, and a
+# request that still meets a closed pooled connection is sent again (`Upstream._send`).
+KEEPALIVE_S = 3.0
+_REUSE_RETRIES = 2
+
+
+class _Attempt:
+    """Per-request trace context: set when aiohttp hands the request a pooled connection."""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+def _reuse_tracer() -> aiohttp.TraceConfig:
+    async def on_reuse(_session: Any, ctx: Any, _params: Any) -> None:
+        if isinstance(ctx.trace_request_ctx, _Attempt):
+            ctx.trace_request_ctx.reused = True
+
+    tracer = aiohttp.TraceConfig()
+    tracer.on_connection_reuseconn.append(on_reuse)
+    return tracer
+
+
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     upstream_id: str  # the name vLLM serves; requests are rewritten to it
@@ -160,60 +187,74 @@ class Upstream:
         self._model: ModelInfo | None = None
 
     @classmethod
-    def open(cls, base_url: str, *, timeout_s: float = 3600, api_key: str | None = None) -> Upstream:
+    def open(
+        cls, base_url: str, *, timeout_s: float = 3600, api_key: str | None = None, keepalive_s: float = KEEPALIVE_S
+    ) -> Upstream:
         # limit=0: no connection cap here; admission (proxy/admission.py) decides concurrency.
-        connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
+        connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True, keepalive_timeout=keepalive_s)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout_s)
         headers = {"authorization": f"Bearer {api_key}"} if api_key else None
-        session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False, headers=headers)
+        session = aiohttp.ClientSession(
+            connector=connector, timeout=timeout, auto_decompress=False, headers=headers,
+            trace_configs=[_reuse_tracer()],
+        )
         return cls(base_url, session)
+
+    async def _send(self, method: str, path: str, **kwargs: Any) -> aiohttp.ClientResponse:
+        """Send a request and wait for its status line. A pooled connection the server closed while it
+        sat idle fails at once with ServerDisconnectedError and nothing read; that attempt reached no
+        handler, so it is sent again (a fresh connection's failure is a real one and raises)."""
+        retries = 0
+        while True:
+            ctx = _Attempt()
+            try:
+                return await self.session.request(method, self.base_url + path, trace_request_ctx=ctx, **kwargs)
+            except aiohttp.ServerDisconnectedError as exc:
+                retries += 1
+                if not ctx.reused or retries > _REUSE_RETRIES:
+                    raise UpstreamError(f"upstream {self.base_url} unreachable: {exc}") from exc
+            except (aiohttp.ClientError, OSError) as exc:
+                raise UpstreamError(f"upstream {self.base_url} unreachable: {exc}") from exc
 
     async def close(self) -> None:
         await self.session.close()
 
     async def relay(self, method: str, path: str, *, headers: Mapping[str, str], body: bytes | None) -> RelayResponse:
-        try:
-            resp = await self.session.request(method, self.base_url + path, headers=dict(headers), data=body)
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError(f"upstream {self.base_url} unreachable: {exc}") from exc
-        return RelayResponse(resp)
+        return RelayResponse(await self._send(method, path, headers=dict(headers), data=body))
 
     async def get_json(self, path: str) -> Any:
-        try:
-            async with self.session.get(self.base_url + path) as resp:
-                data = await resp.read()
-                if resp.status != 200:
-                    raise UpstreamError(f"upstream GET {path} answered {resp.status}: {data[:200]!r}")
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError(f"upstream {self.base_url} unreachable: {exc}") from exc
+        resp = await self._send("GET", path)
+        data = await self._read_all(resp)
+        if resp.status != 200:
+            raise UpstreamError(f"upstream GET {path} answered {resp.status}: {data[:200]!r}")
         return json.loads(data)
 
     async def get_text(self, path: str) -> str:
+        resp = await self._send("GET", path)
+        data = await self._read_all(resp)
+        return data.decode(resp.get_encoding(), errors="replace")
+
+    async def _read_all(self, resp: aiohttp.ClientResponse) -> bytes:
         try:
-            async with self.session.get(self.base_url + path) as resp:
-                return await resp.text()
+            return await resp.read()
         except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError(f"upstream {self.base_url} unreachable: {exc}") from exc
+            raise UpstreamError(f"upstream {self.base_url} broke off its answer: {exc}") from exc
+        finally:
+            resp.release()
 
     async def post_json(self, path: str, payload: Mapping[str, Any]) -> Any:
         return await self.post_raw(path, json.dumps(payload).encode())
 
     async def post_raw(self, path: str, payload: bytes) -> Any:
-        try:
-            async with self.session.post(self.base_url + path, data=payload, headers=_JSON) as resp:
-                data = await resp.read()
-                _raise_for_status(resp.status, data)
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError(f"upstream {self.base_url} unreachable: {exc}") from exc
+        resp = await self._send("POST", path, data=payload, headers=_JSON)
+        data = await self._read_all(resp)
+        _raise_for_status(resp.status, data)
         return json.loads(data)
 
     async def open_events(self, path: str, payload: bytes) -> EventStream:
         """POST a streaming request (JSON bytes) and wait for the status line only: a 4xx/5xx raises
         here, before the caller has sent a byte, so it can still answer with a proper error."""
-        try:
-            resp = await self.session.post(self.base_url + path, data=payload, headers=_JSON)
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError(f"upstream {self.base_url} unreachable: {exc}") from exc
+        resp = await self._send("POST", path, data=payload, headers=_JSON)
         if resp.status != 200:
             try:
                 data = await resp.read()

@@ -1,0 +1,122 @@
+"""proxy/upstream.py against a raw HTTP/1.1 server that closes a kept-alive connection the moment the
+next request arrives on it: what a server whose keep-alive timer fires just as the pool reuses the
+connection does (CI saw it as "upstream ... unreachable: Server disconnected" under load)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+import pytest_asyncio
+
+from proxy.errors import UpstreamError
+from proxy.upstream import Upstream
+
+
+@dataclass
+class RawServer:
+    """Answers the first `answer_per_conn` requests of each connection, then closes it unanswered."""
+
+    answer_per_conn: int
+    connections: int = 0
+    requests: int = 0
+    dropped: int = 0
+    bodies: list[bytes] = field(default_factory=list)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        answered = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                body = await reader.readexactly(length) if length else b""
+                self.requests += 1
+                if answered == self.answer_per_conn:
+                    self.dropped += 1
+                    return
+                answered += 1
+                self.bodies.append(body)
+                out = json.dumps({"n": self.requests}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(out), out))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest_asyncio.fixture
+async def serve() -> AsyncIterator[object]:
+    servers: list[asyncio.Server] = []
+
+    async def start(raw: RawServer) -> str:
+        server = await asyncio.start_server(raw.handle, "127.0.0.1", 0)
+        servers.append(server)
+        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+    yield start
+    for server in servers:
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.asyncio
+async def test_a_pooled_connection_closed_by_the_server_is_retried_on_a_fresh_one(serve) -> None:
+    raw = RawServer(answer_per_conn=1)
+    up = Upstream.open(await serve(raw))
+    try:
+        assert await up.post_json("/x", {"turn": 1}) == {"n": 1}
+        # the pooled connection is dead when this arrives: sent again on a new one, and nothing is lost
+        assert await up.post_json("/x", {"turn": 2}) == {"n": 3}
+        assert (raw.connections, raw.requests, raw.dropped) == (2, 3, 1)
+        assert [json.loads(b) for b in raw.bodies] == [{"turn": 1}, {"turn": 2}]
+        events = await up.open_events("/x", b'{"turn": 3}')  # the streaming path takes the same road
+        events.close()
+        assert (raw.connections, raw.dropped) == (3, 2)
+    finally:
+        await up.close()
+
+
+@pytest.mark.asyncio
+async def test_a_fresh_connection_that_fails_is_not_sent_again(serve) -> None:
+    raw = RawServer(answer_per_conn=0)
+    up = Upstream.open(await serve(raw))
+    try:
+        with pytest.raises(UpstreamError, match="unreachable: Server disconnected"):
+            await up.post_json("/x", {"turn": 1})
+        assert (raw.connections, raw.requests) == (1, 1)
+    finally:
+        await up.close()
+
+
+@pytest.mark.asyncio
+async def test_the_pool_lets_an_idle_connection_go_before_the_server_would(serve) -> None:
+    raw = RawServer(answer_per_conn=1)
+    up = Upstream.open(await serve(raw), keepalive_s=0.2)
+    try:
+        assert await up.post_json("/x", {}) == {"n": 1}
+        await asyncio.sleep(0.4)
+        assert await up.post_json("/x", {}) == {"n": 2}  # a new connection, no failed attempt first
+        assert (raw.connections, raw.requests, raw.dropped) == (2, 2, 0)
+    finally:
+        await up.close()
+
+
+def test_the_default_keepalive_is_below_vllms() -> None:
+    from vllm import envs
+
+    from proxy.settings import Settings
+    from proxy.upstream import KEEPALIVE_S
+
+    settings = Settings(upstream="http://127.0.0.1:1")
+    assert settings.upstream_keepalive_s == KEEPALIVE_S < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    assert Settings.from_argv(["--upstream", "http://x:1", "--upstream-keepalive", "1.5"], env={}).upstream_keepalive_s == 1.5
