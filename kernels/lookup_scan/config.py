@@ -108,11 +108,6 @@ CANDIDATES["c12"] = (4, _plus(CANDIDATES["c5"][1], {"POLL_MAX_P": 256}))
 # and then before ours): c12 / c5 worst row 1.019, geometric mean 0.955 over the 32 rows, 256K B8
 # n5-5 6.22-6.25 / 6.39-6.45 µs vs 6.37-6.42 / 6.70-6.74: c12 becomes DEFAULT.
 DEFAULT = "c12"
-# c13 (session 7): c12 + WARM=1, the finisher without a branch.  c5's stamps put ~0.5 µs between the
-# finisher's max read and its draft stores even with nothing to read (vocab 8: no match): the
-# finisher's code, run by one program per request, is cold in DRAM after a cold launch.  WARM runs
-# that code in every active program (masked off), so the early ones fetch it for the last.
-CANDIDATES["c13"] = (4, _plus(CANDIDATES["c12"][1], {"WARM": 1}))
 
 
 def _tier(work: int) -> int:

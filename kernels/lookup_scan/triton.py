@@ -231,7 +231,6 @@ def lookup_scan_kernel(
     FAST: tl.constexpr = 0, FOLD: tl.constexpr = 1, SUFFIX_AT_S: tl.constexpr = 0,
     SPREAD: tl.constexpr = 0, COVER: tl.constexpr = 0, EDGE_ONLY: tl.constexpr = 0, TICKETS: tl.constexpr = 0,
     HIT: tl.constexpr = 0, STAMPS: tl.constexpr = 0, POLL: tl.constexpr = 0, PP: tl.constexpr = 1,
-    WARM: tl.constexpr = 0,
 ):
     BLOCK: tl.constexpr = ROWS * 4 * NV
     i_p, i_b = tl.program_id(0), tl.program_id(1)
@@ -288,26 +287,12 @@ def lookup_scan_kernel(
         if i_p < n_act:
             # Per-program slots after the B lines: ws[32 B + i_b P + i_p] = best + 1 (0 = not yet).
             w_sl = ws + 32 * B + i_b * P
-            poller = i_p == n_act - 1
-            if WARM:
-                # Every active program runs the one copy of _finish below (masked off but the
-                # poller's): the programs done early fetch its code, so the poller finds it in L2
-                # and its SM's instruction cache, not in DRAM (a cold launch flushed both).
-                if poller:
-                    best = _poll_slots(w_sl, best, n_act, PP)
-                    if STAMPS:
-                        tl.store(p_st + 3, _stamp(best))
-                        tl.store(p_st + 4, _stamp(best))
-                else:
-                    tl.atomic_max(w_sl + i_p, best + 1, sem="relaxed")
-                    best = best * 0
-                _finish(p_h, best, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS, STAMPS, poller)
-            elif poller:
+            if i_p == n_act - 1:
                 best = _poll_slots(w_sl, best, n_act, PP)
                 if STAMPS:
                     tl.store(p_st + 3, _stamp(best))
                     tl.store(p_st + 4, _stamp(best))
-                _finish(p_h, best, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS, STAMPS, True)
+                _finish(p_h, best, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS, STAMPS)
             else:
                 # A relaxed RMW (a RED: fire and forget, no fence): the slot is the whole message
                 # (the draft is read from the history, which no program writes), so nothing else
@@ -366,19 +351,7 @@ def lookup_scan_kernel(
             n_fin = tl.minimum(n_act, TICKETS)
         if STAMPS:
             tl.store(p_st + 3, _stamp(ticket))
-        if WARM:
-            # The finisher without a branch: every program runs it, masked off but for the last
-            # ticket, so its code is fetched (L2, instruction cache) by the programs done early and
-            # the last one does not wait for it from DRAM (~0.5 µs in the stamps, NOTES.md).
-            tl.static_assert((FENCE == 1) | (FENCE == 4), "WARM: FENCE 1 / 4")
-            last = ticket == n_fin - 1
-            best = tl.load(w_max, mask=last, other=0, volatile=True)
-            if STAMPS:
-                tl.store(p_st + 4, _stamp(best), mask=last)
-            tl.store(w_max, 0, mask=last)
-            tl.store(w_tk, 0, mask=last)
-            _finish(p_h, best, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS, STAMPS, last)
-        elif ticket == n_fin - 1:
+        if ticket == n_fin - 1:
             # Last program of the request: every max is visible (acquire); plain loads/stores
             # suffice, no other program touches the two words again in this launch.
             if FENCE == 3:
@@ -392,25 +365,23 @@ def lookup_scan_kernel(
                 tl.store(p_st + 4, _stamp(best))
             tl.store(w_max, 0)
             tl.store(w_tk, 0)
-            _finish(p_h, best, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS, STAMPS, True)
+            _finish(p_h, best, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS, STAMPS)
 
 
 @triton.jit
 def _finish(p_h, best, L, s, drafts, num_valid, i_b, p_st, K_DRAFT: tl.constexpr, KP: tl.constexpr,
-            POS_BITS: tl.constexpr, STAMPS: tl.constexpr, live):
+            POS_BITS: tl.constexpr, STAMPS: tl.constexpr):
     """The request's proposal from its best packed score: the K_DRAFT tokens after the winning end
-    position (fewer at the history's end), the last token in the slots past num_valid.  Stores
-    only where `live` (WARM: the other programs run it masked off, with best = 0: nothing read)."""
+    position (fewer at the history's end), the last token in the slots past num_valid."""
     o_d = tl.arange(0, KP)
     start = best & ((1 << POS_BITS) - 1)  # e + 1 of the winning end position
     nv = tl.where(best > 0, tl.minimum(L - start, K_DRAFT), 0)
     d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
     out = tl.where(o_d < nv, d_tok, s[0]).to(tl.int64)
     if STAMPS:
-        tl.store(p_st + 5, _stamp(tl.sum(out, axis=0)), mask=live)
-    n_out = tl.where(live, K_DRAFT, 0)  # (a bool vector & a bool scalar breaks the interpreter's masks)
-    tl.store(drafts + i_b * K_DRAFT + o_d, out, mask=o_d < n_out)
-    tl.store(num_valid + i_b, nv.to(tl.int32), mask=live)
+        tl.store(p_st + 5, _stamp(tl.sum(out, axis=0)))
+    tl.store(drafts + i_b * K_DRAFT + o_d, out, mask=o_d < K_DRAFT)
+    tl.store(num_valid + i_b, nv.to(tl.int32))
 
 
 @triton.jit

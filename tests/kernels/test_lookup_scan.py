@@ -120,17 +120,14 @@ def test_req_indices_and_workspace_reuse():
     ((1, 1, 1, 64, 4, 0), 3, {"SPREAD": 1, "FAST": 2, "HIT": 3}),
     ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "COVER": 1, "FAST": 2, "HIT": 2}),
     ((1, 1, 1, 64, 4, 0), 3, {"POLL": 1}), ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "COVER": 1, "POLL": 1}),
-    ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "WARM": 1}), ((1, 1, 1, 64, 1, 0), 3, {"WARM": 1}),
-    ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "COVER": 1, "POLL": 1, "WARM": 1}),
 ], ids=["loop", "idle-nofence-order", "G2", "idle-acquire-load", "idle-acquire-tickets", "spread-cover-edge1",
         "spread-fast-loop", "two-level-tickets", "hit-xor-min", "fast2-hit-prefix-loop", "fast2-no-hit-idle",
-        "poll-loop", "poll-idle", "warm-tickets-idle", "warm-fence1-loop", "warm-poll-idle"])
+        "poll-loop", "poll-idle"])
 def test_configs_block_loop_and_idle_programs(config, programs, opts):
     """Tile configs (NV, G, warps, cap, fence, order): P=3 loops over tiles past the program cap; P=10
     leaves programs with no tile (no ticket; the finisher counts only the active ones) on the short
     rows, with the fence-free fold and the barrier-ordered loads; G=2 gives each thread two rows; FENCE
-    3/4 release only from programs that wrote a max; POLL: per-program slots and a polling last program;
-    WARM: every active program runs the finisher, masked off but for the last (tickets, POLL).  Switches: SPREAD (a workspace line per
+    3/4 release only from programs that wrote a max; POLL: per-program slots and a polling last program.  Switches: SPREAD (a workspace line per
     request), COVER (loop-free kernel: the 6 x 256 grid covers the buffer; ignored where P=3 does
     not), EDGE_ONLY (one scoring copy), FAST (row-local keys) under a register cap, TICKETS (two-level
     tickets: 3 group words; the short rows have fewer active programs than groups); HIT 1 / 3 / 2
@@ -172,7 +169,7 @@ def test_rule_tiers():
     assert tier_candidate("c4", 3, 5)[0][:3] == (1, 4, 4) and tier_candidate("c4", 3, 12)[0][:4] == CONFIG_LARGE[:4]
 
 
-@pytest.mark.parametrize("cand", ["c12", "c5", "c3", "c13"])
+@pytest.mark.parametrize("cand", ["c12", "c5", "c3"])
 @pytest.mark.parametrize("tier", range(4), ids=["w1-128", "w1-256", "w4-1024-order", "w4-2048"])
 def test_rule_configs(tier, cand):
     """Each config the rule can pick, with the launcher's own grid (P from the cap): mixed lengths,
@@ -198,7 +195,7 @@ def test_rule_configs(tier, cand):
 
 
 @pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
-@pytest.mark.parametrize("cand", ["default", "c1", "c3", "c4", "c10", "c12", "c13"])
+@pytest.mark.parametrize("cand", ["default", "c1", "c3", "c4", "c10", "c12"])
 @pytest.mark.parametrize("S", [8192, 100_000, 262_144])
 @pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
 def test_real_lengths_gpu(S, min_n, max_n, cand):
