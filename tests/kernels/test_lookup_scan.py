@@ -250,6 +250,33 @@ def test_real_lengths_gpu(S, min_n, max_n, cand):
 
 
 @pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
+@pytest.mark.parametrize("S", [100_000, 262_144])
+@pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
+def test_sum_real_lengths_gpu(S, min_n, max_n):
+    """SUM at batch 1 with 391 / 1,024 programs (c14's 100K B1 tile): a quoting history, vocab-8
+    noise (no match or many), distinct tokens with one and with two earlier copies of the suffix."""
+    from kernels.lookup_scan.triton import candidate, lookup_scan_fwd, workspace_numel
+
+    config, opts = candidate("c14", 1, 100_000, max_n)
+    opts = {**opts, "POLL_MAX_P": 0}
+    base = torch.randperm(2_000_000, generator=torch.Generator().manual_seed(S))[:S].to(torch.int32)
+    one = base.clone()
+    one[S // 3:S // 3 + 12] = base[-12:]
+    two = one.clone()
+    two[S // 2:S // 2 + 12] = base[-12:]
+    rows = [repetitive(1, S, 150_000, seed=S)[0], torch.randint(0, 8, (S,), dtype=torch.int32), base, one, two]
+    ws = torch.zeros(workspace_numel(1), dtype=torch.int64, device=DEVICE)
+    for row in rows:
+        tok, lens = row[None], torch.tensor([S], dtype=torch.int32)
+        dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 7)
+        out = (torch.full((1, 7), -7, dtype=torch.int64, device=DEVICE),
+               torch.full((1,), -7, dtype=torch.int32, device=DEVICE))
+        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, config, opts)
+        assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
+        assert not ws.any()
+
+
+@pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
 @pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
 def test_candidate_configs_gpu(min_n, max_n):
     """Every config the per-(B, S) rule may pick (bench.SWEEP), at an odd capacity with mixed
