@@ -112,6 +112,9 @@ DEFAULT = "c12"
 # the ticket word also counts the programs with a match and sums their scores, so with at most one
 # match the last program has the max in its ticket's return value (triton._fold_sum).
 CANDIDATES["c14"] = (4, _plus(CANDIDATES["c12"][1], {"SUM": 1}))
+# c15: SUM=2, the max itself in the ticket's high half for any number of matches (each program with a
+# match adds what its returning atomic_max raised the max word by; the raises telescope to the max).
+CANDIDATES["c15"] = (4, _plus(CANDIDATES["c12"][1], {"SUM": 2}))
 
 
 def _tier(work: int) -> int:

@@ -121,9 +121,10 @@ def test_req_indices_and_workspace_reuse():
     ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "COVER": 1, "FAST": 2, "HIT": 2}),
     ((1, 1, 1, 64, 4, 0), 3, {"POLL": 1}), ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "COVER": 1, "POLL": 1}),
     ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "SUM": 1}), ((1, 1, 1, 64, 4, 0), 3, {"SPREAD": 1, "SUM": 1}),
+    ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "SUM": 2}), ((1, 1, 1, 64, 4, 0), 3, {"SPREAD": 1, "COVER": 1, "SUM": 2}),
 ], ids=["loop", "idle-nofence-order", "G2", "idle-acquire-load", "idle-acquire-tickets", "spread-cover-edge1",
         "spread-fast-loop", "two-level-tickets", "hit-xor-min", "fast2-hit-prefix-loop", "fast2-no-hit-idle",
-        "poll-loop", "poll-idle", "sum-idle", "sum-loop"])
+        "poll-loop", "poll-idle", "sum-idle", "sum-loop", "sum2-idle", "sum2-loop"])
 def test_configs_block_loop_and_idle_programs(config, programs, opts):
     """Tile configs (NV, G, warps, cap, fence, order): P=3 loops over tiles past the program cap; P=10
     leaves programs with no tile (no ticket; the finisher counts only the active ones) on the short
@@ -150,11 +151,12 @@ def test_configs_block_loop_and_idle_programs(config, programs, opts):
         assert not ws.any()
 
 
+@pytest.mark.parametrize("sum_", [1, 2])
 @pytest.mark.parametrize("programs", [10, 3], ids=["idle", "loop"])
-def test_sum_fold_paths(programs):
-    """SUM's three ends: no program with a match (the sum is 0), exactly one (the sum is its
-    score: no max read), two in different tiles (the max word), and the same per request in one
-    launch, across tiles and the loop past the program cap."""
+def test_sum_fold_paths(programs, sum_):
+    """SUM's cases: no program with a match (the sum is 0), exactly one (SUM 1: the sum is its
+    score, no max read), two in different tiles (SUM 1: the max word; SUM 2: the telescoped
+    raises), per request in one launch, across tiles and the loop past the program cap."""
     from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
 
     S = 1500
@@ -171,7 +173,7 @@ def test_sum_fold_paths(programs):
         out = (torch.full((4, 5), -7, dtype=torch.int64, device=DEVICE),
                torch.full((4,), -7, dtype=torch.int32, device=DEVICE))
         d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 5, None, ws, out, programs,
-                               (2, 1, 1, 64, 4, 0), {"SPREAD": 1, "SUM": 1})
+                               (2, 1, 1, 64, 4, 0), {"SPREAD": 1, "SUM": sum_})
         dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 5)
         assert nr.tolist()[:3] == [0, 5, 5]
         assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
@@ -226,7 +228,7 @@ def test_rule_configs(tier, cand):
 
 
 @pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
-@pytest.mark.parametrize("cand", ["default", "c1", "c3", "c4", "c10", "c12", "c14"])
+@pytest.mark.parametrize("cand", ["default", "c1", "c3", "c4", "c10", "c12", "c14", "c15"])
 @pytest.mark.parametrize("S", [8192, 100_000, 262_144])
 @pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
 def test_real_lengths_gpu(S, min_n, max_n, cand):
@@ -250,14 +252,15 @@ def test_real_lengths_gpu(S, min_n, max_n, cand):
 
 
 @pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
+@pytest.mark.parametrize("cand", ["c14", "c15"])
 @pytest.mark.parametrize("S", [100_000, 262_144])
 @pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
-def test_sum_real_lengths_gpu(S, min_n, max_n):
+def test_sum_real_lengths_gpu(S, min_n, max_n, cand):
     """SUM at batch 1 with 391 / 1,024 programs (c14's 100K B1 tile): a quoting history, vocab-8
     noise (no match or many), distinct tokens with one and with two earlier copies of the suffix."""
     from kernels.lookup_scan.triton import candidate, lookup_scan_fwd, workspace_numel
 
-    config, opts = candidate("c14", 1, 100_000, max_n)
+    config, opts = candidate(cand, 1, 100_000, max_n)
     opts = {**opts, "POLL_MAX_P": 0}
     base = torch.randperm(2_000_000, generator=torch.Generator().manual_seed(S))[:S].to(torch.int32)
     one = base.clone()
