@@ -108,13 +108,6 @@ CANDIDATES["c12"] = (4, _plus(CANDIDATES["c5"][1], {"POLL_MAX_P": 256}))
 # and then before ours): c12 / c5 worst row 1.019, geometric mean 0.955 over the 32 rows, 256K B8
 # n5-5 6.22-6.25 / 6.39-6.45 µs vs 6.37-6.42 / 6.70-6.74: c12 becomes DEFAULT.
 DEFAULT = "c12"
-# c14 (session 7): c12 + SUM=1 where the tickets run (more than 256 programs per request: 100K B1):
-# the ticket word also counts the programs with a match and sums their scores, so with at most one
-# match the last program has the max in its ticket's return value (triton._fold_sum).
-CANDIDATES["c14"] = (4, _plus(CANDIDATES["c12"][1], {"SUM": 1}))
-# c15: SUM=2, the max itself in the ticket's high half for any number of matches (each program with a
-# match adds what its returning atomic_max raised the max word by; the raises telescope to the max).
-CANDIDATES["c15"] = (4, _plus(CANDIDATES["c12"][1], {"SUM": 2}))
 
 
 def _tier(work: int) -> int:
