@@ -27,8 +27,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"proxy: cannot load the chat format from {settings.model_dir}: {exc}", file=sys.stderr)
         return 2
     # One worker: transcripts of the embedded store live in this process (Redis lifts that limit).
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    uvicorn.Server(server_config(app, settings)).run()
     return 0
+
+
+def server_config(app: object, settings: Settings) -> uvicorn.Config:
+    """The HTTP server's settings; a client's idle connection is kept `keep_alive_s` (Settings)."""
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        timeout_keep_alive=settings.keep_alive_s,
+    )
 
 
 if __name__ == "__main__":

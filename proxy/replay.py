@@ -42,6 +42,7 @@ import aiohttp
 
 from proxy.sessions import SESSION_HEADERS
 from proxy.transcripts import common_prefix_len
+from proxy.upstream import KEEPALIVE_S
 
 TRACES_DIR = Path(__file__).parent / "traces"
 _HITS = re.compile(r"^vllm:prefix_cache_hits_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
@@ -294,7 +295,9 @@ async def replay(
     metrics_url = metrics_url or direct_url
     summary: dict[str, dict[str, dict[str, float]]] = {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    # the pool lets idle connections go before vLLM's server does (proxy.upstream.KEEPALIVE_S)
+    connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         for path in traces:
             events = load_trace(Path(path))
             for mode, url in modes:

@@ -42,6 +42,10 @@ class Settings(BaseModel):
     # how long an idle pooled connection to the engine is reused: below the engine's own keep-alive
     # (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default), so the engine is never the one to close it
     upstream_keepalive_s: float = Field(default=3.0, gt=0)
+    # how long the proxy keeps a client's idle connection open: above every common client's own
+    # reuse limit (httpx 5 s, undici 4 s, aiohttp 15 s), so a client never sends on a connection the
+    # proxy is closing (uvicorn's default, 5 s, races httpx's); nginx uses 75 s for the same reason
+    keep_alive_s: int = Field(default=75, ge=1)
     log_level: str = "info"
 
     @field_validator("upstream")
@@ -83,6 +87,7 @@ class Settings(BaseModel):
             store_file=Path(args.store_file) if args.store_file else None,
             warmup=args.warmup,
             upstream_keepalive_s=args.upstream_keepalive,
+            keep_alive_s=args.keep_alive,
             log_level=args.log_level,
         )
 
@@ -119,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help=f"file holding the engine's key (else ${ENGINE_KEY_ENV} or $VLLM_API_KEY)",
     )
+    p.add_argument("--keep-alive", type=int, default=75, help="seconds a client's idle connection stays open")
     p.add_argument(
         "--upstream-keepalive", type=float, default=3.0,
         help="seconds an idle connection to the engine is reused; keep it below the engine's keep-alive (vLLM: 5)",

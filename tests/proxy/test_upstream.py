@@ -120,3 +120,46 @@ def test_the_default_keepalive_is_below_vllms() -> None:
     settings = Settings(upstream="http://127.0.0.1:1")
     assert settings.upstream_keepalive_s == KEEPALIVE_S < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
     assert Settings.from_argv(["--upstream", "http://x:1", "--upstream-keepalive", "1.5"], env={}).upstream_keepalive_s == 1.5
+
+
+@pytest.mark.asyncio
+async def test_the_proxy_keeps_an_idle_client_connection_past_common_client_limits() -> None:
+    """The served config (proxy.__main__.server_config) holds an idle keep-alive connection longer
+    than httpx (5 s) or undici (4 s) reuse one; uvicorn's default (5 s) would close it at 5 s."""
+    import socket
+
+    import uvicorn
+
+    from proxy.__main__ import server_config
+    from proxy.settings import Settings
+
+    async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    settings = Settings(upstream="http://127.0.0.1:1", port=port)
+    server = uvicorn.Server(server_config(app, settings))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+        for _ in range(2):
+            writer.write(request)
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 200")
+            assert await reader.readexactly(2) == b"ok"
+            await asyncio.sleep(6.0)  # past uvicorn's default keep-alive
+        assert not reader.at_eof()
+        writer.close()
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
