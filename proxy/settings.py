@@ -124,9 +124,11 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help=f"file holding the engine's key (else ${ENGINE_KEY_ENV} or $VLLM_API_KEY)",
     )
-    p.add_argument("--keep-alive", type=int, default=75, help="seconds a client's idle connection stays open")
+    fields = Settings.model_fields
+    p.add_argument("--keep-alive", type=int, default=fields["keep_alive_s"].default,
+                   help="seconds a client's idle connection stays open")
     p.add_argument(
-        "--upstream-keepalive", type=float, default=3.0,
+        "--upstream-keepalive", type=float, default=fields["upstream_keepalive_s"].default,
         help="seconds an idle connection to the engine is reused; keep it below the engine's keep-alive (vLLM: 5)",
     )
     p.add_argument("--redis-url", default=None, help="transcript store in Redis (default: in-process)")

