@@ -399,7 +399,9 @@ def before_default(prob: Problem, mod: Any) -> Callable[[], object]:
 
 
 def main() -> None:
-    from kernels.verify_attention.diag import fixed_cost, node_costs, profile_one, stream_ceiling, sweep
+    from kernels.verify_attention.diag import (
+        decode_costs, fixed_cost, node_costs, profile_one, stream_ceiling, sweep,
+    )  # fmt: skip
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="launch-parameter sweep at 100K")
@@ -421,6 +423,8 @@ def main() -> None:
     ap.add_argument("--combine-costs-only", action="store_true", help="stop after --combine-costs")
     ap.add_argument("--loop-modes", action="store_true",
                     help="default / split / stamped graphs in three host loops, then stop (diag_combine.py)")
+    ap.add_argument("--decode-costs", action="store_true",
+                    help="T=1: the decode kernel vs the wgmma split kernel (100K b1/b4, 200K b1), then stop")
     ap.add_argument("--ceiling-only", action="store_true",
                     help="pure-read ceiling probes at 100K b1 (ceiling_stream.py), then stop")  # fmt: skip
     ap.add_argument("--before-src", default=None, help="the .cu of commit 1344eca, timed as 'before-1344eca'")
@@ -443,6 +447,11 @@ def main() -> None:
         print("vLLM reference files not found: set VLLM_REF_DIR (see module docstring)")
 
     before_mod = load_before(args.before_dir) if args.before_dir else None
+    if args.decode_costs:
+        decode_costs(flush, bw, results)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        return
     if args.ceiling_only:
         stream_ceiling(flush, bw, results)
         if args.json:

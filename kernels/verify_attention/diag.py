@@ -1,7 +1,7 @@
 """Diagnostics of the verify-attention kernels on the H200 (bench.py's modes beside its table).
 
     python -m kernels.verify_attention.bench --sweep | --fixed-cost[-only] | --node-costs[-only]
-        | --ceiling-only | --profile-one T
+        | --decode-costs | --ceiling-only | --profile-one T
 
 Each mode times variants side by side in one process with bench.py's harness (CUDA graph, cold
 L2, the copy bandwidth measured in the same run); NOTES.md records what each found.
@@ -282,6 +282,44 @@ def node_costs(flush: torch.Tensor, bw: float, results: list, before_mod: Any = 
             ) + f"; default - split-only {us.get('default', 0) - us.get('split-only', 0):.1f} us", flush=True)  # fmt: skip
             del prob
         del pool
+        torch.cuda.empty_cache()
+
+
+def decode_costs(flush: torch.Tensor, bw: float, results: list) -> None:
+    """Issue 6, T=1: verify_attn_decode against the wgmma split kernel, in a fresh process.
+
+    On an 800K-token pool (the main table's) at 100K b1, 100K b4 and 200K b1, T=1: each kernel
+    with its combine (the shipped path and HH_VERIFY_ATTENTION_DECODE=1), each split kernel alone
+    (``combine=False``), and the decode kernel at other split counts (its warps stream 16-key
+    chunks, so it may want other grids than the 64-key tiles' rule). Two rounds, the second in
+    reverse order, so neither kernel always runs first."""
+    pool = make_pool(8 * 100_000 + 64, 16, HKV, D)
+    for ctx, b in ((100_000, 1), (100_000, 4), (200_000, 1)):
+        prob = Problem(pool, b, ctx, 1, HQ)
+        variants: dict[str, Callable[[], object]] = {
+            "wgmma": prob.cuda_variant(decode=False),
+            "decode": prob.cuda_variant(decode=True),
+            "wgmma-split-only": prob.cuda_variant(decode=False, combine=False),
+            "decode-split-only": prob.cuda_variant(decode=True, combine=False),
+        }
+        if b == 1:
+            for s in (66, 198, 264):
+                variants[f"decode-S{s}"] = prob.cuda_variant(decode=True, num_splits=s)
+            variants["decode-stages2"] = prob.cuda_variant(decode=True, stages=2)
+        label = f"ctx={ctx} T=1 b={b}"
+        names = list(variants)
+        runs: dict[str, list[float]] = {}
+        for order in (names, names[::-1]):
+            us = time_variants(prob, {n: variants[n] for n in order}, label, flush, bw, results,
+                               lambda n: "split-only" in n)
+            for n, v in us.items():
+                runs.setdefault(n, []).append(v)
+        base = min(runs.get("wgmma", [float("nan")]))
+        print(f"  {label}: " + ", ".join(
+            f"{n} {min(v):.1f} ({100 * prob.int8_bytes / min(v) / 1e3 / bw:.1f}%, wgmma/x {base / min(v):.2f})"
+            for n, v in runs.items()
+        ), flush=True)  # fmt: skip
+        del prob
         torch.cuda.empty_cache()
 
 

@@ -406,3 +406,84 @@ def test_combine_switches(monkeypatch):
         vc.default_workspace()
     acc, ml = vc.partial_buffers(torch.device("cpu"), (2, 3, 5, 16), torch.float32, False)
     assert acc.shape == (2, 3, 5, 16) and ml.shape == (2, 3, 5, 2)
+
+
+# verify_attn_decode (HH_VERIFY_ATTENTION_DECODE=1): query tiles of at most 8 rows. Contexts not a
+# multiple of its 16-key chunk, windows starting inside a chunk, T=2 at G=4 (8 rows, causal within
+# the block), page 1616, one split (the CTA's 4 warps merge and write out), splits without keys,
+# 150 splits (row combine), mixed lengths.
+DECODE_CASES = [
+    pytest.param([129], [1], 24, 4, 256, 16, (-1, -1), None, id="B1-T1-L129-auto"),
+    pytest.param([37, 70, 5], [1, 1, 1], 24, 4, 256, 16, (-1, -1), 3, id="B3-mixed-S3"),
+    pytest.param([3001, 45], [1, 1], 32, 8, 128, 16, (63, 0), 4, id="D128-window64-S4"),
+    pytest.param([5000, 2100, 300], [2, 2, 1], 32, 8, 128, 16, (2047, 0), None, id="D128-G4-T2-w2048"),
+    pytest.param([1700, 33], [1, 1], 24, 4, 256, 1616, (-1, -1), 4, id="P1616-S4"),
+    pytest.param([200, 90], [1, 1], 24, 4, 256, 16, (-1, -1), 40, id="empty-splits-S40"),
+    pytest.param([20000, 9001], [1, 1], 24, 4, 256, 16, (-1, -1), 150, id="S150-row-combine"),
+    pytest.param([50001], [1], 24, 4, 256, 16, (-1, -1), None, id="L50001-auto"),
+    pytest.param([4099], [2], 8, 4, 128, 16, (-1, -1), 2, id="G2-T2-D128-S2"),
+]  # fmt: skip
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), DECODE_CASES)
+def test_cuda_decode_kernel(seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, monkeypatch):
+    use_cuda_kernel(monkeypatch, decode="1")
+    run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
+
+
+@gpu_only
+def test_cuda_decode_graph_replay_and_selection(monkeypatch):
+    """The decode kernel is what runs at <= 8 rows (its compiled variant is the one looked up),
+    and CUDA-graph replays of it stay correct."""
+    use_cuda_kernel(monkeypatch)
+    from kernels.verify_attention import cuda as va_cuda
+
+    cache, bt, cu, seq, q = build_problem([3001, 700, 64], [1, 1, 1], 24, 4, 256, 16, torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    ref = naive_verify_attention(q, cache, cu, seq, bt)
+    calls = []
+    real = va_cuda._compiled
+
+    def spy(name, smem, source=None):
+        calls.append(name)
+        return real(name, smem, source)
+
+    monkeypatch.setattr(va_cuda, "_compiled", spy)
+
+    def call():
+        va_cuda.verify_attention_cuda(q, cache.k, out, cu, 1, seq, 3001, 256**-0.5, 0, bt, num_splits=7, decode=True)
+
+    call()
+    assert calls[0] == "verify_attn_decode<256, 3, 4, true>"
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < TOL[torch.bfloat16], err
+
+
+def test_decode_switch(monkeypatch):
+    """HH_VERIFY_ATTENTION_DECODE parses or refuses (no GPU needed); its CTA's shared memory fits
+    an SM, its split rule fills the GPU once."""
+    from kernels.verify_attention import cuda as vc
+
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_DECODE", "1")
+    assert vc.default_decode()
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_DECODE", "0")
+    assert not vc.default_decode()
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_DECODE", "yes")
+    with pytest.raises(ValueError):
+        vc.default_decode()
+    assert vc.pick_stages_decode(256, 4) == 3 and vc.pick_stages_decode(128, 8) == 6
+    assert vc.smem_bytes_decode(256, 3, 4) == 8 * 3 * 16 * 528 + 4 * (4096 + 32)  # rings, Q^T, row sums
+    assert vc.num_splits_decode(1, 100_000, 132) == 132 and vc.num_splits_decode(4, 100_000, 132) == 33
+    assert vc.num_splits_decode(1, 300, 132) == 3  # at least 16 keys per stream
+    for d, hkv in ((128, 8), (256, 4)):
+        assert vc.smem_bytes_decode(d, vc.pick_stages_decode(d, hkv), hkv) + 1024 <= vc.SHARED_PER_SM

@@ -48,6 +48,30 @@ def smem_bytes_wg(d: int, n8: int, stages: int) -> int:
     return stages * BN * (2 * d + 16) + rows * 2 * d + rows * 2 * BN + 5 * rows * 4 + 8 * 4
 
 
+DECODE_WARPS = 8  # verify_attn_decode: warps per CTA (warp w streams KV head w % Hkv)
+
+
+def smem_bytes_decode(d: int, stages: int, hkv: int) -> int:
+    """Dynamic shared memory of one verify_attn_decode CTA: 8 warps' rings of ``stages`` x 16 key
+    windows, each head's Q^T fragments and Q row sums (mirrors the carve-up in the .cu; the merge
+    scratch overlays the rings)."""
+    return DECODE_WARPS * stages * 16 * (2 * d + 16) + hkv * ((d // 16) * 32 * 8 + 8 * 4)
+
+
+def pick_stages_decode(d: int, hkv: int) -> int:
+    """Deepest per-warp ring (2..6 chunks) of one CTA per SM (sm_90: 227 KB per CTA)."""
+    stages = 2
+    while stages < 6 and smem_bytes_decode(d, stages + 1, hkv) <= SHARED_PER_SM - 1024:
+        stages += 1
+    return stages
+
+
+def num_splits_decode(num_seqs: int, keys: int, sms: int) -> int:
+    """verify_attn_decode's splits per request: one CTA per SM over the batch (a CTA holds every
+    KV head), at least 16 keys per stream (8 warps)."""
+    return max(1, min(max(1, sms // max(1, num_seqs)), -(-keys // (16 * DECODE_WARPS))))
+
+
 def pick_stages(d: int, tiles: int, smem=smem_bytes) -> int:
     """Deepest ring (2..4) that still lets CTAS_PER_SM CTAs share an SM."""
     per_cta = SHARED_PER_SM // CTAS_PER_SM - 1024
@@ -74,6 +98,18 @@ def default_sched(n8: int) -> str:
     if kind not in ("auto", "dyn", "static"):
         raise ValueError(f"HH_VERIFY_ATTENTION_SCHED={kind!r}: auto, dyn or static")
     return ("dyn" if n8 == 1 else "static") if kind == "auto" else kind
+
+
+def default_decode() -> bool:
+    """HH_VERIFY_ATTENTION_DECODE: auto (default), 1 or 0: verify_attn_decode (warp streams,
+    loads into registers, no barrier in the loop) instead of the wgmma split kernel where a query
+    tile holds at most 8 rows (one n8 tile: T=1 at G=6).
+
+    auto = 0 until the H200 says otherwise (NOTES.md)."""
+    kind = os.environ.get("HH_VERIFY_ATTENTION_DECODE", "auto").lower()
+    if kind not in ("auto", "1", "0"):
+        raise ValueError(f"HH_VERIFY_ATTENTION_DECODE={kind!r}: auto, 1 or 0")
+    return kind == "1"
 
 
 def default_pdl() -> bool:
@@ -447,6 +483,7 @@ def verify_attention_cuda(
     combine_cols: int | None = None,
     workspace: bool | None = None,
     combine_trace: torch.Tensor | None = None,
+    decode: bool | None = None,
 ) -> torch.Tensor:
     """Launch; the contract is ``kernels.verify_attention.verify_attention``'s (window = W or 0).
 
@@ -460,14 +497,16 @@ def verify_attention_cuda(
     ``default_partials()``; fp16 only where the combine_w kernel merges); ``combine_kernel`` "w" /
     "row" / "col" (None: ``default_combine()``) where >= 32 splits are merged, ``combine_cols``
     the col kernel's dims per CTA (None: ``default_combine_cols``), ``combine_trace`` its stamps;
-    ``workspace``: partials in the per-device buffer (None: ``default_workspace()``)."""
+    ``workspace``: partials in the per-device buffer (None: ``default_workspace()``); ``decode``:
+    verify_attn_decode where a query tile holds at most 8 rows (None: ``default_decode()``)."""
     num_tokens, num_q_heads, d = q.shape
     num_seqs = seqused_k.shape[0]
     hkv = k.shape[2]
     group = num_q_heads // hkv
     block_q, n_qt, mt, n8 = _tile(group, max_seqlen_q)
+    num_splits_given = num_splits
+    keys = max_seqlen_k if window <= 0 else min(max_seqlen_k, window + block_q)
     if num_splits is None:
-        keys = max_seqlen_k if window <= 0 else min(max_seqlen_k, window + block_q)
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         num_splits = num_splits_for(num_seqs, hkv, n_qt, keys, sms)
     bf16 = "true" if q.dtype == torch.bfloat16 else "false"
@@ -475,7 +514,21 @@ def verify_attention_cuda(
     sched = (sched or default_sched(n8)) if num_splits > 1 else "static"
     pdl = default_pdl() if pdl is None else pdl
     gs = 0  # fused merge: splits per first-level group (0: the combine kernel merges)
-    if wgmma:
+    # The decode kernel's 16-key chunks are whole pages' slices (page sizes that are multiples of
+    # 16), and its 8 warps stream every KV head (1, 2, 4 or 8 of them).
+    dec = (wgmma and n8 == 1 and k.shape[1] % 16 == 0 and DECODE_WARPS % hkv == 0
+           and (default_decode() if decode is None else decode))  # fmt: skip
+    if dec:  # same arguments (the first 24), same partials; no counters, no fused merge
+        if num_splits_given is None:
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            num_splits = num_splits_decode(num_seqs, keys, sms)
+        stages = stages or pick_stages_decode(d, hkv)
+        smem = smem_bytes_decode(d, stages, hkv)
+        split_kernel = _compiled(f"verify_attn_decode<{d}, {stages}, {hkv}, {bf16}>", smem)
+        sched, ph = "static", False
+        ckind = combine_kernel or default_combine()
+        row = 32 <= num_splits <= ROW_COMBINE_MAX_SPLITS and ckind in ("row", "col")
+    elif wgmma:
         stages = stages or pick_stages(d, n8, smem_bytes_wg)
         smem = smem_bytes_wg(d, n8, stages)
         fuse = default_fuse(n8) if fuse is None else fuse
@@ -503,8 +556,8 @@ def verify_attention_cuda(
     units = num_seqs * n_qt * hkv
     ng = -(-num_splits // gs) if gs else 0
     split_kernel(
-        grid=(hkv * n_qt * num_splits, num_seqs, 1),
-        block=(THREADS, 1, 1),
+        grid=((1 if dec else hkv) * n_qt * num_splits, num_seqs, 1),
+        block=(32 * DECODE_WARPS if dec else THREADS, 1, 1),
         args=[
             q, k, block_table, seqused_k, cu_seqlens_q, out, part_acc, part_ml,
             float(softmax_scale * LOG2E), int(window), int(num_splits), n_qt, block_q, group,
@@ -514,7 +567,7 @@ def verify_attention_cuda(
             _counters(q.device, units * (ng + 2)) if sched == "dyn" else out,
             trace if trace is not None else out, int(trace is not None),
             gs, _counters(q.device, units * (ng + 2))[units:] if gs else out,
-        ] if wgmma else []),
+        ] if wgmma and not dec else []),
         shared_mem=smem,
     )  # fmt: skip
     if num_splits > 1 and num_tokens and combine and not gs:

@@ -1737,3 +1737,325 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
   }
   if (tr && tid == 0) tr[3] = globaltimer();
 }
+
+// ---------------------------------------------------------------------------------------------
+// verify_attn_decode: the split kernel for at most 8 query rows per KV head (plain decode, T=1 at
+// G=6; T=2 at G=4): every warp is its own stream, with its own copy ring, and no CTA barrier in
+// the loop; a CTA holds all KV heads of its request (one warp per head and stream).
+//
+// Why: at T=1 the wgmma kernel's loop (one ring per CTA, three CTA barriers per 64-key tile, two
+// CTAs per SM) runs at its own read-only probe, ~75% of copy at 100K b1 (H200, NOTES.md), while a
+// probe reading the same per-head records with a barrier-free stream reached 87%, and a
+// grid-strided sweep 95%. Here each warp takes 16-key chunks (one page's slice: page sizes are
+// multiples of 16) grid-strided over the unit's keys, so all warps of the GPU sweep the context
+// together, and keeps STAGES - 1 chunks in flight in a private cp.async ring (16-byte copies,
+// 512 contiguous bytes of one key per instruction, as verify_attn_split's); it waits only for its
+// own copies (cp.async.wait_group + __syncwarp). (A first version loaded the fragments straight
+// into registers, 4-8 bytes per key and lane: 50% of copy at 100K b1, slower than the wgmma kernel.)
+// * S^T = K Q^T with mma.sync m16n8k16 (keys g, g + 8 on M, query rows on N = 8): in k-step j
+//   thread (g, t) reads the 4 bytes at 16 j + 4 t of keys g and g + 8 (conflict-free at pitch
+//   2 D + 16), which are its A fragment once the contraction index is permuted (physical dims
+//   16 j + 4 t + 0..3 = logical 2t, 2t+1, 2t+8, 2t+9), and Q^T's B fragments (pre-scaled fp16,
+//   permuted alike) are read from shared memory. K enters
+//   as int8 + 1152 with S's accumulator starting at -1152 x the fp16 Q row sum (as in
+//   verify_attn_split_wg).
+// * P^T for the PV product comes from S^T's accumulator by one movmatrix (8x8 transpose) per 8
+//   keys. O^T = V^T P^T (dims on M, query rows on N): thread (g, t) reads the 4 bytes at 4 g + 32 i
+//   of V for keys 2t, 2t+1, 2t+8, 2t+9, pairs keys with one prmt and converts exactly; m16 tile
+//   2 i + p holds dims 32 i + 4 g + 2 p (+1 in rows g + 8), so a thread's output row holds 4
+//   contiguous dims per i.
+// * Online softmax per warp (row max over the 8 lanes of a query-row pair by shuffles), lazy as in
+//   the other kernels (the max moves only by more than 2^8); at the end the CTA's 4 warps merge
+//   in shared memory (over their rings) and write one partial (or the output when num_splits == 1).
+// ---------------------------------------------------------------------------------------------
+namespace va {
+
+// 8x8 transpose of 16-bit values across the warp: in, thread (g, t) holds row g, cols 2t, 2t+1;
+// out, row g of the transpose (cols 2t, 2t+1 = rows 2t, 2t+1 of the input at col g).
+DI u32 movmatrix_t(u32 a) {
+  u32 r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(a));
+  return r;
+}
+DI uint2 lds64(u32 addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
+
+}  // namespace va
+
+// One CTA of 8 warps per (request, split) holds every KV head: warp w streams head w % HKV, the
+// 8 / HKV warps of a head take alternate chunks of the CTA's chunk list (split + k num_splits), so
+// the warps of a CTA read whole slots (all heads of 16 keys: one 33 KB page slice at Qwen's
+// shapes) at about the same time, as the whole-page probes that reached 94-95% of copy did.
+// Shared memory (launcher: smem_bytes_decode): the 8 warps' rings of STAGES x 16 key windows
+// (pitch 2 D + 16 bytes), then Q^T's fragments [HKV][D / 16][32] x 8 bytes, then the Q row sums
+// [HKV][8]. After the loop the rings hold the warps' (max, sum) [8][8][2] and accumulators
+// [8][8][D] for the merge of each head's warps.
+template <int D, int STAGES, int HKV, bool BF16>
+__global__ void __launch_bounds__(256, 1) verify_attn_decode(
+    const unsigned short* __restrict__ q,  // [N, Hq, D]
+    const signed char* __restrict__ kv,    // the K view's base: record of (block 0, slot 0, head 0)
+    const int* __restrict__ block_table,   // [B, stride_bt]
+    const int* __restrict__ seq_lens,      // [B]
+    const int* __restrict__ cu_q,          // [B + 1]
+    unsigned short* __restrict__ out,      // [N, Hq, D], written when num_splits == 1
+    float* __restrict__ part_acc,          // [N, Hq, num_splits, D] when num_splits > 1
+    float* __restrict__ part_ml,           // [N, Hq, num_splits, 2]
+    double qk_scale_d,                     // softmax_scale * log2(e)
+    int window,                            // key k visible from position p iff p - k < window; 0: none
+    int num_splits, int num_q_tiles, int block_q, int G, int page, int num_kv_heads,
+    int stride_q_tok, int stride_q_head, int stride_o_tok, int stride_o_head,
+    int stride_kv_blk, int stride_kv_slot, int stride_kv_head, int stride_bt) {
+  using namespace va;
+  constexpr int NI = D / 32;       // 32-dim blocks
+  constexpr int KS = D / 16;       // k-steps of QK = m16 tiles of PV
+  constexpr int NWD = 8;           // warps per CTA
+  constexpr int SUB = NWD / HKV;   // warps (streams) per KV head
+  static_assert(NWD % HKV == 0, "1, 2, 4 or 8 KV heads");
+  constexpr int RP = 2 * D + 16;   // ring row pitch: one key's 16-byte-aligned record window
+  constexpr int CK = D / 8;        // 16-byte copies per key in the main rounds (RP / 16 = CK + 1)
+  constexpr int KPR = 32 / CK;     // keys per main round
+  constexpr int RING = STAGES * 16 * RP;  // bytes per warp
+  static_assert(D == 128 || D == 256, "head size 128 or 256");
+  static_assert(NWD * RING >= NWD * 8 * (D + 2) * 4, "the merge scratch fits in the rings");
+  extern __shared__ __align__(128) unsigned char dsmem[];
+  const u32 ring0 = smem_addr(dsmem);
+  const u32 qf_all = ring0 + NWD * RING;                                             // [HKV][KS][32] uint2
+  float* nb_all = reinterpret_cast<float*>(dsmem + NWD * RING + HKV * KS * 32 * 8);  // [HKV][8]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int h = warp % HKV, sub = warp / HKV;
+  const int qt = blockIdx.x % num_q_tiles;
+  const int split = blockIdx.x / num_q_tiles;
+  const int b = blockIdx.y;
+  const u32 qf_s = qf_all + h * (KS * 32 * 8);
+  float* const nb_s = nb_all + h * 8;
+
+  const int q_start = cu_q[b];
+  const int q_len = cu_q[b + 1] - q_start;
+  const int q_lo = qt * block_q;
+  if (q_lo >= q_len) return;  // uniform over the CTA
+  const int q_hi = min(q_lo + block_q, q_len);
+  const int rows = (q_hi - q_lo) * G;  // <= 8 (launcher)
+  const int ctx = seq_lens[b] - q_len;
+  const int k_hi = ctx + q_hi;
+  const int k_lo = window > 0 ? max(ctx + q_lo - window + 1, 0) : 0;
+  const int c_lo = k_lo >> 4;  // chunks are absolute 16-key blocks: one page's slice each
+  const int n_chunks = k_hi > k_lo ? ((k_hi - 1) >> 4) - c_lo + 1 : 0;
+  const int Hq = num_kv_heads * G;
+  const int W = num_splits * SUB;  // a stream's step through the unit's chunks
+  const int* const bt_row = block_table + (i64)b * stride_bt;
+  const int shift = (int)((reinterpret_cast<u64>(kv) + (u64)h * (u64)stride_kv_head) & 15u);
+  // The head's window base: records start shift (0 or 8) bytes into their 16-byte windows.
+  const u64 kvh = reinterpret_cast<u64>(kv) + (u64)(i64)(h * stride_kv_head - shift);
+  const u32 ring = ring0 + warp * RING;
+
+  auto blk_of = [&](int ci) -> int {
+    return ci < n_chunks ? bt_row[(u32)((c_lo + ci) << 4) / (u32)page] : 0;
+  };
+  // Copy chunk ci (block blk) into stage st: round r moves CK 16-byte pieces of KPR keys (512
+  // contiguous bytes per key at D = 256), then lanes < 16 the last piece of key `lane`. The keys
+  // past k_hi are in the same page (its block exists): copied, masked later.
+  auto issue = [&](int st, int ci, int blk) {
+    const int slot0 = (int)((u32)((c_lo + ci) << 4) % (u32)page);
+    const u64 src = kvh + (u64)((i64)blk * stride_kv_blk + (i64)slot0 * stride_kv_slot);
+    const u32 dst = ring + st * (16 * RP);
+    const int kl = lane / CK, ch = lane % CK;
+#pragma unroll
+    for (int r = 0; r < 16 / KPR; ++r) {
+      const int kk = r * KPR + kl;
+      cp_async16(dst + kk * RP + ch * 16, src + (u64)(kk * stride_kv_slot) + ch * 16, 16);
+    }
+    if (lane < 16) cp_async16(dst + lane * RP + CK * 16, src + (u64)(lane * stride_kv_slot) + CK * 16, 16);
+  };
+
+  // The first STAGES - 1 chunks' copies go out before Q is prepared.
+  const int ci0 = split + sub * num_splits;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    const int ci = ci0 + s * W;
+    if (ci < n_chunks) issue(s, ci, blk_of(ci));
+    cp_async_commit();
+  }
+  int blk_n = blk_of(ci0 + (STAGES - 1) * W);  // block of the next chunk to copy
+
+  // ---- Q^T fragments -> shared memory (fp16, pre-scaled, dims permuted as the K reads are).
+  {
+    const float qs = (float)qk_scale_d;
+    for (int e = tid; e < HKV * KS * 32; e += NWD * 32) {
+      const int hq0 = (e / (KS * 32)) * G, j = (e >> 5) % KS, rg = (e & 31) >> 2, rt = e & 3;
+      const int d0 = 16 * j + 4 * rt;
+      uint2 fr = make_uint2(0u, 0u);
+      if (rg < rows) {
+        const int tk = rg / G, grp = rg - tk * G;
+        const uint2 raw = *reinterpret_cast<const uint2*>(
+            q + (i64)(q_start + q_lo + tk) * stride_q_tok + (i64)(hq0 + grp) * stride_q_head + d0);
+        fr.x = pack_f16(to_f32<BF16>((unsigned short)(raw.x & 0xffffu)) * qs,
+                        to_f32<BF16>((unsigned short)(raw.x >> 16)) * qs);
+        fr.y = pack_f16(to_f32<BF16>((unsigned short)(raw.y & 0xffffu)) * qs,
+                        to_f32<BF16>((unsigned short)(raw.y >> 16)) * qs);
+      }
+      sts32(qf_all + 8 * e, fr.x);
+      sts32(qf_all + 8 * e + 4, fr.y);
+    }
+  }
+  __syncthreads();
+  // Row sums of the fp16 Q as stored (the K bias): lane (g, t) adds row g's values of its
+  // fragments, then the 4 lanes of g; this thread's S columns are query rows 2t, 2t+1.
+  {
+    float qr = 0.f;
+#pragma unroll
+    for (int j = 0; j < KS; ++j) {
+      const uint2 fr = lds64(qf_s + 8 * (j * 32 + lane));
+      qr += (f16_lo(fr.x) + f16_hi(fr.x)) + (f16_lo(fr.y) + f16_hi(fr.y));
+    }
+    qr += shfl_xor(qr, 1);
+    qr += shfl_xor(qr, 2);
+    if (sub == 0 && t == 0) nb_s[g] = -1152.f * qr;
+  }
+  __syncthreads();
+  const float2 nb = *reinterpret_cast<const float2*>(nb_s + 2 * t);
+
+  float m_r[2] = {M_EMPTY, M_EMPTY}, l_r[2] = {0.f, 0.f};
+  float acc[KS][4];
+#pragma unroll
+  for (int i = 0; i < KS; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+
+  // ---- the stream: chunks ci0 + k W, STAGES - 1 in flight.
+  for (int it = 0;; ++it) {
+    const int ci = ci0 + it * W;
+    if (ci >= n_chunks) break;  // uniform over the warp
+    __syncwarp();  // every lane is done with the stage the next copy overwrites (chunk it - 1's)
+    {
+      const int cn = ci + (STAGES - 1) * W;
+      if (cn < n_chunks) issue((it + STAGES - 1) % STAGES, cn, blk_n);
+      cp_async_commit();
+      blk_n = blk_of(cn + W);
+    }
+    cp_async_wait<STAGES - 1>();  // this lane's copies of chunk it landed
+    __syncwarp();                 // and every lane's
+    const u32 st = ring + (it % STAGES) * (16 * RP) + shift;
+    const int kb = (c_lo + ci) << 4;
+
+    // S^T: s[2 hh + e] = key g + 8 hh, query row 2 t + e.
+    float s[4] = {nb.x, nb.y, nb.x, nb.y};
+    const u32 k0 = st + g * RP + 4 * t;
+#pragma unroll
+    for (int j = 0; j < KS; ++j) {
+      const uint2 qb = lds64(qf_s + 8 * (j * 32 + lane));
+      const u32 w0 = lds32(k0 + 16 * j);
+      const u32 w1 = lds32(k0 + 8 * RP + 16 * j);
+      u32 a[4];
+      i8x4_to_f16_biased(w0, a[0], a[2]);
+      i8x4_to_f16_biased(w1, a[1], a[3]);
+      mma16816(s, a, qb.x, qb.y);
+    }
+    const float ks0 = lds_f32(st + g * RP + D), ks1 = lds_f32(st + (g + 8) * RP + D);
+    float vs0 = lds_f32(st + g * RP + 2 * D + 4), vs1 = lds_f32(st + (g + 8) * RP + 2 * D + 4);
+    s[0] *= ks0, s[1] *= ks0, s[2] *= ks1, s[3] *= ks1;
+    const bool need_mask = kb + 16 > k_hi || kb + 15 > ctx + q_lo || (window > 0 && kb < ctx + q_hi - window);
+    if (need_mask) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int kpos = kb + g + 8 * hh;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int qp = ctx + q_lo + (2 * t + e) / G;
+          const bool vis = kpos < k_hi && kpos <= qp && (window <= 0 || qp - kpos < window);
+          if (!vis) s[2 * hh + e] = NEG_INF;
+        }
+        // Records outside [k_lo, k_hi) may hold anything (their scales too): P x 0, not P x NaN.
+        if (kpos >= k_hi || kpos < k_lo) (hh ? vs1 : vs0) = 0.f;
+      }
+    }
+    const float c0 = fmaxf(s[0], s[2]), c1 = fmaxf(s[1], s[3]);
+    if (__any_sync(0xffffffffu, c0 > m_r[0] + 8.f || c1 > m_r[1] + 8.f)) {
+      float t0 = c0, t1 = c1;
+#pragma unroll
+      for (int m = 4; m < 32; m *= 2) t0 = fmaxf(t0, shfl_xor(t0, m)), t1 = fmaxf(t1, shfl_xor(t1, m));
+      const float mn0 = t0 > m_r[0] + 8.f ? t0 : m_r[0];
+      const float mn1 = t1 > m_r[1] + 8.f ? t1 : m_r[1];
+      const float al0 = mn0 == m_r[0] ? 1.f : ex2(m_r[0] - mn0);
+      const float al1 = mn1 == m_r[1] ? 1.f : ex2(m_r[1] - mn1);
+      m_r[0] = mn0, m_r[1] = mn1;
+      l_r[0] *= al0, l_r[1] *= al1;
+#pragma unroll
+      for (int i = 0; i < KS; ++i) acc[i][0] *= al0, acc[i][1] *= al1, acc[i][2] *= al0, acc[i][3] *= al1;
+    }
+    const float p0 = ex2(s[0] - m_r[0]), p1 = ex2(s[1] - m_r[1]);
+    const float p2 = ex2(s[2] - m_r[0]), p3 = ex2(s[3] - m_r[1]);
+    l_r[0] += p0 + p2, l_r[1] += p1 + p3;
+    const u32 b0 = movmatrix_t(pack_f16(p0 * vs0, p1 * vs0));  // keys 2t, 2t+1 of query row g
+    const u32 b1 = movmatrix_t(pack_f16(p2 * vs1, p3 * vs1));  // keys 2t+8, 2t+9
+    // O^T += V^T P^T: m16 tile 2 i + p, rows g / g + 8 = dims 32 i + 4 g + 2 p / + 1.
+    const u32 v0 = st + D + 4 + 4 * g + 2 * t * RP;  // key 2t
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      const u32 x0 = lds32(v0 + 32 * i), x1 = lds32(v0 + RP + 32 * i);            // keys 2t, 2t+1
+      const u32 y0 = lds32(v0 + 8 * RP + 32 * i), y1 = lds32(v0 + 9 * RP + 32 * i);  // 2t+8, 2t+9
+      u32 e[4], f[4];
+      i8x4_to_f16(prmt(x0, x1, 0x5140u), e[0], e[1]);  // dims +0, +1 of keys 2t, 2t+1
+      i8x4_to_f16(prmt(x0, x1, 0x7362u), e[2], e[3]);  // dims +2, +3
+      i8x4_to_f16(prmt(y0, y1, 0x5140u), f[0], f[1]);  // keys 2t+8, 2t+9
+      i8x4_to_f16(prmt(y0, y1, 0x7362u), f[2], f[3]);
+      const u32 a0[4] = {e[0], e[1], f[0], f[1]};
+      const u32 a1[4] = {e[2], e[3], f[2], f[3]};
+      mma16816(acc[2 * i], a0, b0, b1);
+      mma16816(acc[2 * i + 1], a1, b0, b1);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with its ring: the merge scratch overlays them
+
+  // ---- merge each head's warps, then one partial row (or the output) per query row.
+  float* const ml_s = reinterpret_cast<float*>(dsmem);  // [NWD][8][2]
+  float* const acc_s = ml_s + NWD * 8 * 2;              // [NWD][8][D]
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    float l = l_r[e];
+    l += shfl_xor(l, 4);
+    l += shfl_xor(l, 8);
+    l += shfl_xor(l, 16);
+    const int row = 2 * t + e;
+    if (g == 0) ml_s[(warp * 8 + row) * 2] = m_r[e], ml_s[(warp * 8 + row) * 2 + 1] = l;
+#pragma unroll
+    for (int i = 0; i < NI; ++i)
+      *reinterpret_cast<float4*>(acc_s + (warp * 8 + row) * D + 32 * i + 4 * g) =
+          make_float4(acc[2 * i][e], acc[2 * i][2 + e], acc[2 * i + 1][e], acc[2 * i + 1][2 + e]);
+  }
+  __syncthreads();
+  for (int it = tid; it < HKV * 8 * (D / 4); it += NWD * 32) {
+    const int hm = it / (8 * (D / 4)), row = (it / (D / 4)) % 8, d4 = it % (D / 4);
+    if (row >= rows) continue;
+    float mx = M_EMPTY;
+#pragma unroll
+    for (int w = hm; w < NWD; w += HKV) mx = fmaxf(mx, ml_s[(w * 8 + row) * 2]);
+    float l = 0.f;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = hm; w < NWD; w += HKV) {
+      const float wt = ex2(ml_s[(w * 8 + row) * 2] - mx);  // a warp without keys: 0 (or 1 x 0)
+      l += wt * ml_s[(w * 8 + row) * 2 + 1];
+      const float4 x = *reinterpret_cast<const float4*>(acc_s + (w * 8 + row) * D + 4 * d4);
+      a.x += wt * x.x, a.y += wt * x.y, a.z += wt * x.z, a.w += wt * x.w;
+    }
+    const int tk = row / G, grp = row - tk * G;
+    const i64 tok = (i64)q_start + q_lo + tk;
+    const int hq = hm * G + grp;
+    if (num_splits == 1) {
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      uint2 pk;
+      pk.x = pack_out<BF16>(a.x * inv, a.y * inv);
+      pk.y = pack_out<BF16>(a.z * inv, a.w * inv);
+      *reinterpret_cast<uint2*>(out + tok * stride_o_tok + (i64)hq * stride_o_head + 4 * d4) = pk;
+    } else {
+      const i64 pr = (tok * Hq + hq) * num_splits + split;
+      *reinterpret_cast<float4*>(part_acc + pr * D + 4 * d4) = a;
+      if (d4 == 0) part_ml[pr * 2] = mx == M_EMPTY ? NEG_INF : mx, part_ml[pr * 2 + 1] = l;
+    }
+  }
+}
