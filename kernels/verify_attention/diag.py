@@ -293,8 +293,9 @@ def decode_costs(flush: torch.Tensor, bw: float, results: list) -> None:
     (``combine=False``), and the decode kernel at other split counts (its warps stream 16-key
     chunks, so it may want other grids than the 64-key tiles' rule). Two rounds, the second in
     reverse order, so neither kernel always runs first."""
+    empty = torch.cuda._compile_kernel('extern "C" __global__ void va_empty() {}', "va_empty")
     pool = make_pool(8 * 100_000 + 64, 16, HKV, D)
-    for ctx, b in ((100_000, 1), (100_000, 4), (200_000, 1)):
+    for ctx, b in ((100_000, 1), (100_000, 4), (200_000, 1), (50_000, 1), (150_000, 1)):
         prob = Problem(pool, b, ctx, 1, HQ)
         variants: dict[str, Callable[[], object]] = {
             "wgmma": prob.cuda_variant(decode=False),
@@ -302,16 +303,28 @@ def decode_costs(flush: torch.Tensor, bw: float, results: list) -> None:
             "wgmma-split-only": prob.cuda_variant(decode=False, combine=False),
             "decode-split-only": prob.cuda_variant(decode=True, combine=False),
         }
-        if b == 1:
-            for s in (66, 198, 264):
-                variants[f"decode-S{s}"] = prob.cuda_variant(decode=True, num_splits=s)
-            variants["decode-stages2"] = prob.cuda_variant(decode=True, stages=2)
+        if (ctx, b) == (100_000, 1):
+            split = variants["decode-split-only"]
+
+            def split_empty(split: Callable[[], object] = split) -> None:
+                split()
+                empty(grid=(1, 1, 1), block=(32, 1, 1), args=[])
+
+            variants["decode-split+empty-node"] = split_empty
+            variants["decode+pdl"] = prob.cuda_variant(decode=True, pdl=True)
+            variants["decode-probe-split"] = prob.cuda_variant(decode=True, decode_mode=2, combine=False)
+            variants["decode-col256"] = prob.cuda_variant(decode=True, combine_kernel="col", combine_cols=256)
+            variants["wgmma-static"] = prob.cuda_variant(decode=False, sched="static")
+            variants["wgmma-static-col256"] = prob.cuda_variant(decode=False, sched="static", combine_kernel="col",
+                                                                combine_cols=256)  # fmt: skip
+            variants["wgmma-static-split-only"] = prob.cuda_variant(decode=False, sched="static", combine=False)
+        variants["decode-fused"] = prob.cuda_variant(decode=True, decode_mode=1)
         label = f"ctx={ctx} T=1 b={b}"
         names = list(variants)
         runs: dict[str, list[float]] = {}
         for order in (names, names[::-1]):
             us = time_variants(prob, {n: variants[n] for n in order}, label, flush, bw, results,
-                               lambda n: "split-only" in n)
+                               lambda n: "split" in n)
             for n, v in us.items():
                 runs.setdefault(n, []).append(v)
         base = min(runs.get("wgmma", [float("nan")]))
@@ -319,6 +332,16 @@ def decode_costs(flush: torch.Tensor, bw: float, results: list) -> None:
             f"{n} {min(v):.1f} ({100 * prob.int8_bytes / min(v) / 1e3 / bw:.1f}%, wgmma/x {base / min(v):.2f})"
             for n, v in runs.items()
         ), flush=True)  # fmt: skip
+        if (ctx, b) == (100_000, 1):
+            # Where the time of split + merge goes: %globaltimer stamps of the split kernel's CTAs
+            # and of a row-grid col combine (256 dims per CTA) in one graph, 10 cold replays.
+            from kernels.verify_attention.diag_combine import _trace
+
+            for name, kw in (("wgmma", {"decode": False}), ("wgmma-static", {"decode": False, "sched": "static"}),
+                             ("decode", {"decode": True})):  # fmt: skip
+                st = _trace(prob, flush, 256, False, **kw)
+                print(f"  {label} stamps {name}+col256: " + ", ".join(f"{k} {v:.2f}" for k, v in st.items()), flush=True)
+                results.append({"case": f"{label} stamps {name}+col256", **st})
         del prob
         torch.cuda.empty_cache()
 

@@ -28,6 +28,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+from typing import Any
+
 import torch
 
 from kernels.verify_attention.bench import HKV, HQ, Problem, capture, flush_l2, make_pool
@@ -98,19 +100,18 @@ def _variants(prob: Problem, node: Callable[[], None]) -> dict[str, Callable[[],
     return v
 
 
-def _trace(prob: Problem, flush: torch.Tensor, cols: int, ws: bool) -> dict[str, float]:
-    """Stamps of split + col combine in one graph, TRACE_REPLAYS cold replays; medians (µs)."""
-    from kernels.verify_attention import cuda as vc
-
+def _trace(prob: Problem, flush: torch.Tensor, cols: int, ws: bool, **kw: Any) -> dict[str, float]:
+    """Stamps of split + col combine in one graph, TRACE_REPLAYS cold replays; medians (µs).
+    ``kw``: more launcher options (decode=True: verify_attn_decode's stamps, same slots 0 and 3)."""
     n, hq, d = prob.q.shape
-    splits = _splits(prob)
-    _, n_qt, _, _ = vc._tile(hq // HKV, prob.t)
-    tr_s = torch.zeros(HKV * n_qt * splits * prob.batch, 8, dtype=torch.int64, device="cuda")
+    tr_s = torch.zeros(4096 * prob.batch, 8, dtype=torch.int64, device="cuda")  # >= the split grid
     tr_c = torch.zeros(n * hq * (d // cols), 8, dtype=torch.int64, device="cuda")
-    fn = prob.cuda_variant(combine_kernel="col", combine_cols=cols, workspace=ws, trace=tr_s, combine_trace=tr_c)
+    fn = prob.cuda_variant(combine_kernel="col", combine_cols=cols, workspace=ws, trace=tr_s, combine_trace=tr_c,
+                           **kw)  # fmt: skip
     graph = capture(fn, warm_on_side_stream=False)
-    keys = ("event", "split_span", "gap", "comb_start_spread", "ph_ml", "ph_ml_max", "ph_sum", "ph_sum_max",
-            "ph_end", "comb_cta_max", "comb_span", "outside", "sm_mhz", "sms")  # fmt: skip
+    keys = ("event", "split_span", "split_start_spread", "split_end_spread", "gap", "comb_start_spread",
+            "ph_ml", "ph_ml_max", "ph_sum", "ph_sum_max", "ph_end", "comb_cta_max", "comb_span", "outside",
+            "sm_mhz", "sms")  # fmt: skip
     rec: dict[str, list[float]] = {k: [] for k in keys}
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(TRACE_REPLAYS):
@@ -129,6 +130,8 @@ def _trace(prob: Problem, flush: torch.Tensor, cols: int, ws: bool) -> dict[str,
         ev = e0.elapsed_time(e1) * 1e3
         rec["event"].append(ev)
         rec["split_span"].append(s_end)
+        rec["split_start_spread"].append(float(us(s[:, 0]).max()))
+        rec["split_end_spread"].append(s_end - float(us(s[:, 3]).min()))
         rec["gap"].append(float(c0.min()) - s_end)
         rec["comb_start_spread"].append(float(c0.max() - c0.min()))
         rec["ph_ml"].append(float((c1 - c0).median())), rec["ph_ml_max"].append(float((c1 - c0).max()))

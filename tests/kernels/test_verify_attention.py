@@ -434,6 +434,26 @@ def test_cuda_decode_kernel(seq_lens, q_lens, hq, hkv, d, page, window, splits, 
 
 
 @gpu_only
+@pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), DECODE_CASES)
+def test_cuda_decode_fused_merge(seq_lens, q_lens, hq, hkv, d, page, window, splits, monkeypatch):
+    """decode_mode=1: the request's CTAs meet at a counter and merge the partials in the kernel;
+    twice, then once with another split count, on the same counters."""
+    use_cuda_kernel(monkeypatch)
+    from kernels.verify_attention import cuda as va_cuda
+
+    cache, bt, cu, seq, q = build_problem(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16)
+    ref = naive_verify_attention(q, cache, cu, seq, bt, window_size=window)
+    w = window[0] + 1 if window[0] >= 0 else 0
+    for ns in (splits, splits, 5):
+        out = torch.full_like(q, float("nan"))
+        va_cuda.verify_attention_cuda(q, cache.k, out, cu, max(q_lens), seq, max(seq_lens), d**-0.5, w, bt,
+                                      num_splits=ns, decode=True, decode_mode=1)  # fmt: skip
+        assert not torch.isnan(out).any()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < TOL[torch.bfloat16], err
+
+
+@gpu_only
 def test_cuda_decode_graph_replay_and_selection(monkeypatch):
     """The decode kernel is what runs at <= 8 rows (its compiled variant is the one looked up),
     and CUDA-graph replays of it stay correct."""
@@ -456,7 +476,7 @@ def test_cuda_decode_graph_replay_and_selection(monkeypatch):
         va_cuda.verify_attention_cuda(q, cache.k, out, cu, 1, seq, 3001, 256**-0.5, 0, bt, num_splits=7, decode=True)
 
     call()
-    assert calls[0] == "verify_attn_decode<256, 3, 4, true>"
+    assert calls[0] == "verify_attn_decode<256, 6, 4, true, 0>"
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -467,6 +487,7 @@ def test_cuda_decode_graph_replay_and_selection(monkeypatch):
         torch.cuda.synchronize()
         err = ((out.float() - ref).norm() / ref.norm()).item()
         assert err < TOL[torch.bfloat16], err
+        assert int(va_cuda._COUNTERS[torch.cuda.current_device()].abs().sum()) == 0  # chunk counters reset
 
 
 def test_decode_switch(monkeypatch):
@@ -481,8 +502,8 @@ def test_decode_switch(monkeypatch):
     monkeypatch.setenv("HH_VERIFY_ATTENTION_DECODE", "yes")
     with pytest.raises(ValueError):
         vc.default_decode()
-    assert vc.pick_stages_decode(256, 4) == 3 and vc.pick_stages_decode(128, 8) == 6
-    assert vc.smem_bytes_decode(256, 3, 4) == 8 * 3 * 16 * 528 + 4 * (4096 + 32)  # rings, Q^T, row sums
+    assert vc.pick_stages_decode(256, 4) == 6 and vc.pick_stages_decode(128, 8) == 6
+    assert vc.smem_bytes_decode(256, 6, 4) == 6 * 33_280 + 4 * 4096 + 96 + 24  # ring, Q^T, barriers, indices
     assert vc.num_splits_decode(1, 100_000, 132) == 132 and vc.num_splits_decode(4, 100_000, 132) == 33
     assert vc.num_splits_decode(1, 300, 132) == 3  # at least 16 keys per stream
     for d, hkv in ((128, 8), (256, 4)):

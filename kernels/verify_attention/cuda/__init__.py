@@ -48,18 +48,19 @@ def smem_bytes_wg(d: int, n8: int, stages: int) -> int:
     return stages * BN * (2 * d + 16) + rows * 2 * d + rows * 2 * BN + 5 * rows * 4 + 8 * 4
 
 
-DECODE_WARPS = 8  # verify_attn_decode: warps per CTA (warp w streams KV head w % Hkv)
+DECODE_WARPS = 8  # verify_attn_decode: consumer warps per CTA (warp w computes KV head w % Hkv)
 
 
 def smem_bytes_decode(d: int, stages: int, hkv: int) -> int:
-    """Dynamic shared memory of one verify_attn_decode CTA: 8 warps' rings of ``stages`` x 16 key
-    windows, each head's Q^T fragments and Q row sums (mirrors the carve-up in the .cu; the merge
-    scratch overlays the rings)."""
-    return DECODE_WARPS * stages * 16 * (2 * d + 16) + hkv * ((d // 16) * 32 * 8 + 8 * 4)
+    """Dynamic shared memory of one verify_attn_decode CTA: the ring of ``stages`` chunks (16 slots
+    of every head) or the merge scratch that overlays it, whichever is larger, each head's Q^T
+    fragments, the mbarriers (mirrors the carve-up in the .cu)."""
+    ring = max(stages * 16 * hkv * (2 * d + 8), DECODE_WARPS * 8 * (d + 2) * 4)
+    return ring + hkv * (d // 16) * 32 * 8 + 16 * stages + 4 * stages
 
 
 def pick_stages_decode(d: int, hkv: int) -> int:
-    """Deepest per-warp ring (2..6 chunks) of one CTA per SM (sm_90: 227 KB per CTA)."""
+    """Deepest ring (2..6 chunks) of one CTA per SM (sm_90: 227 KB per CTA)."""
     stages = 2
     while stages < 6 and smem_bytes_decode(d, stages + 1, hkv) <= SHARED_PER_SM - 1024:
         stages += 1
@@ -268,6 +269,23 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
             raise RuntimeError("verify_attention: tile counters must grow before graph capture")
         buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
         _COUNTERS[idx] = buf
+    return buf
+
+
+# Per-device arrival counters of verify_attn_decode's in-kernel merge (decode_mode=1): one 64-bit
+# word per request, (generation << 32 | arrivals); each launch's last arrival resets the count and
+# starts the next generation, so graph replays need no reset. Grown only outside a capture.
+_SYNC: dict[int, torch.Tensor] = {}
+
+
+def _sync_counters(device: torch.device, n: int) -> torch.Tensor:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    buf = _SYNC.get(idx)
+    if buf is None or buf.numel() < n:
+        if buf is not None and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("verify_attention: sync counters must grow before graph capture")
+        buf = torch.zeros(max(n, 1024), dtype=torch.int64, device=device)
+        _SYNC[idx] = buf
     return buf
 
 
@@ -484,6 +502,7 @@ def verify_attention_cuda(
     workspace: bool | None = None,
     combine_trace: torch.Tensor | None = None,
     decode: bool | None = None,
+    decode_mode: int = 0,
 ) -> torch.Tensor:
     """Launch; the contract is ``kernels.verify_attention.verify_attention``'s (window = W or 0).
 
@@ -498,7 +517,9 @@ def verify_attention_cuda(
     "row" / "col" (None: ``default_combine()``) where >= 32 splits are merged, ``combine_cols``
     the col kernel's dims per CTA (None: ``default_combine_cols``), ``combine_trace`` its stamps;
     ``workspace``: partials in the per-device buffer (None: ``default_workspace()``); ``decode``:
-    verify_attn_decode where a query tile holds at most 8 rows (None: ``default_decode()``)."""
+    verify_attn_decode where a query tile holds at most 8 rows (None: ``default_decode()``),
+    ``decode_mode`` its merge: 0 partials + the combine kernel, 1 merged in the kernel after a
+    per-request counter, 2 read-only probe (timing only: out is not written)."""
     num_tokens, num_q_heads, d = q.shape
     num_seqs = seqused_k.shape[0]
     hkv = k.shape[2]
@@ -522,9 +543,11 @@ def verify_attention_cuda(
         if num_splits_given is None:
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
             num_splits = num_splits_decode(num_seqs, keys, sms)
+        if decode_mode == 1 and n_qt * num_splits * num_seqs > torch.cuda.get_device_properties(q.device).multi_processor_count:
+            decode_mode = 0  # the in-kernel merge needs every CTA resident (one per SM)
         stages = stages or pick_stages_decode(d, hkv)
         smem = smem_bytes_decode(d, stages, hkv)
-        split_kernel = _compiled(f"verify_attn_decode<{d}, {stages}, {hkv}, {bf16}>", smem)
+        split_kernel = _compiled(f"verify_attn_decode<{d}, {stages}, {hkv}, {bf16}, {decode_mode}>", smem)
         sched, ph = "static", False
         ckind = combine_kernel or default_combine()
         row = 32 <= num_splits <= ROW_COMBINE_MAX_SPLITS and ckind in ("row", "col")
@@ -557,7 +580,7 @@ def verify_attention_cuda(
     ng = -(-num_splits // gs) if gs else 0
     split_kernel(
         grid=((1 if dec else hkv) * n_qt * num_splits, num_seqs, 1),
-        block=(32 * DECODE_WARPS if dec else THREADS, 1, 1),
+        block=(32 * (DECODE_WARPS + 1) if dec else THREADS, 1, 1),
         args=[
             q, k, block_table, seqused_k, cu_seqlens_q, out, part_acc, part_ml,
             float(softmax_scale * LOG2E), int(window), int(num_splits), n_qt, block_q, group,
@@ -567,10 +590,13 @@ def verify_attention_cuda(
             _counters(q.device, units * (ng + 2)) if sched == "dyn" else out,
             trace if trace is not None else out, int(trace is not None),
             gs, _counters(q.device, units * (ng + 2))[units:] if gs else out,
-        ] if wgmma and not dec else []),
+        ] if wgmma and not dec else [
+            _counters(q.device, num_seqs), _sync_counters(q.device, num_seqs),
+            trace if trace is not None else out, int(trace is not None),
+        ] if dec else []),
         shared_mem=smem,
     )  # fmt: skip
-    if num_splits > 1 and num_tokens and combine and not gs:
+    if num_splits > 1 and num_tokens and combine and not gs and not (dec and decode_mode):
         # From 32 splits verify_attn_combine_r (default), _c or _w (one warp per row x 8 dims,
         # lane = split); below, ea506d7's combine: combine_w's lanes idle there (H200, drafter
         # w=2048 T=8 b4: 30.8 vs 25.5 µs; NOTES.md).

@@ -1740,33 +1740,36 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
 
 // ---------------------------------------------------------------------------------------------
 // verify_attn_decode: the split kernel for at most 8 query rows per KV head (plain decode, T=1 at
-// G=6; T=2 at G=4): every warp is its own stream, with its own copy ring, and no CTA barrier in
-// the loop; a CTA holds all KV heads of its request (one warp per head and stream).
+// G=6; T=2 at G=4). One CTA per (request, split) holds every KV head: a producer warp streams the
+// CTA's 16-key chunks as whole page slices (16 slots x all heads: 33,280 contiguous bytes at
+// Qwen3.8's shapes) with TMA bulk copies into a STAGES-deep shared ring (full / empty
+// mbarriers), and 8 consumer warps compute: warp w takes KV head w % HKV of every (8 / HKV)-th
+// chunk. No CTA barrier in the loop.
 //
-// Why: at T=1 the wgmma kernel's loop (one ring per CTA, three CTA barriers per 64-key tile, two
-// CTAs per SM) runs at its own read-only probe, ~75% of copy at 100K b1 (H200, NOTES.md), while a
-// probe reading the same per-head records with a barrier-free stream reached 87%, and a
-// grid-strided sweep 95%. Here each warp takes 16-key chunks (one page's slice: page sizes are
-// multiples of 16) grid-strided over the unit's keys, so all warps of the GPU sweep the context
-// together, and keeps STAGES - 1 chunks in flight in a private cp.async ring (16-byte copies,
-// 512 contiguous bytes of one key per instruction, as verify_attn_split's); it waits only for its
-// own copies (cp.async.wait_group + __syncwarp). (A first version loaded the fragments straight
-// into registers, 4-8 bytes per key and lane: 50% of copy at 100K b1, slower than the wgmma kernel.)
+// Why: at T=1 the wgmma kernel's split kernel alone takes ~63 µs at 100K b1 (~78% of copy), as
+// does its read-only probe, while a read-only probe of exactly this shape (one CTA per SM, TMA
+// copies of whole page slices, a 6-deep ring of 33 KB) read the same bytes in 52 µs (94.7%,
+// ceiling_stream.py). Three earlier versions of this kernel without the copy engine (fragments
+// loaded into registers; per-warp cp.async rings, one head per CTA; the same with every head in
+// one CTA) took 97.6 / 63.2 / 70.0 µs for the split kernel (H200, NOTES.md).
+// * Chunks: absolute 16-key blocks (page sizes are multiples of 16, so a chunk is one page's
+//   slice); the CTA of split s takes chunks s + j num_splits (j < STAGES), then batches of 4 from
+//   a per-request counter, so all CTAs sweep the context together and end together. Keys past
+//   k_hi or before k_lo in a chunk are copied (their page exists) and masked.
 // * S^T = K Q^T with mma.sync m16n8k16 (keys g, g + 8 on M, query rows on N = 8): in k-step j
-//   thread (g, t) reads the 4 bytes at 16 j + 4 t of keys g and g + 8 (conflict-free at pitch
-//   2 D + 16), which are its A fragment once the contraction index is permuted (physical dims
-//   16 j + 4 t + 0..3 = logical 2t, 2t+1, 2t+8, 2t+9), and Q^T's B fragments (pre-scaled fp16,
-//   permuted alike) are read from shared memory. K enters
-//   as int8 + 1152 with S's accumulator starting at -1152 x the fp16 Q row sum (as in
-//   verify_attn_split_wg).
+//   thread (g, t) reads the 4 bytes at 16 j + 4 t of keys g and g + 8, its A fragment once the
+//   contraction index is permuted (physical dims 16 j + 4 t + 0..3 = logical 2t, 2t+1, 2t+8,
+//   2t+9); Q^T's B fragments (pre-scaled fp16, permuted alike, per head) are read from shared
+//   memory. K enters as int8 + 1152 with S's accumulator starting at -1152 x the fp16 Q row sum
+//   (as in verify_attn_split_wg).
 // * P^T for the PV product comes from S^T's accumulator by one movmatrix (8x8 transpose) per 8
 //   keys. O^T = V^T P^T (dims on M, query rows on N): thread (g, t) reads the 4 bytes at 4 g + 32 i
 //   of V for keys 2t, 2t+1, 2t+8, 2t+9, pairs keys with one prmt and converts exactly; m16 tile
 //   2 i + p holds dims 32 i + 4 g + 2 p (+1 in rows g + 8), so a thread's output row holds 4
 //   contiguous dims per i.
 // * Online softmax per warp (row max over the 8 lanes of a query-row pair by shuffles), lazy as in
-//   the other kernels (the max moves only by more than 2^8); at the end the CTA's 4 warps merge
-//   in shared memory (over their rings) and write one partial (or the output when num_splits == 1).
+//   the other kernels (the max moves only by more than 2^8); at the end each head's warps merge in
+//   shared memory (over the ring) and write one partial (or the output when num_splits == 1).
 // ---------------------------------------------------------------------------------------------
 namespace va {
 
@@ -1782,19 +1785,43 @@ DI uint2 lds64(u32 addr) {
   asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
   return v;
 }
+DI void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+DI void mbar_wait(u32 bar, u32 parity) {
+  u32 ok = 0;
+  while (!ok) {
+    asm volatile(
+        "{ .reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p; }\n"
+        : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+  }
+}
+DI void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+DI void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// TMA 1D bulk copy global -> shared, completing `bytes` on the mbarrier.
+DI void bulk_g2s(u32 dst, u64 src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
 
 }  // namespace va
 
-// One CTA of 8 warps per (request, split) holds every KV head: warp w streams head w % HKV, the
-// 8 / HKV warps of a head take alternate chunks of the CTA's chunk list (split + k num_splits), so
-// the warps of a CTA read whole slots (all heads of 16 keys: one 33 KB page slice at Qwen's
-// shapes) at about the same time, as the whole-page probes that reached 94-95% of copy did.
-// Shared memory (launcher: smem_bytes_decode): the 8 warps' rings of STAGES x 16 key windows
-// (pitch 2 D + 16 bytes), then Q^T's fragments [HKV][D / 16][32] x 8 bytes, then the Q row sums
-// [HKV][8]. After the loop the rings hold the warps' (max, sum) [8][8][2] and accumulators
-// [8][8][D] for the merge of each head's warps.
-template <int D, int STAGES, int HKV, bool BF16>
-__global__ void __launch_bounds__(256, 1) verify_attn_decode(
+// Shared memory (launcher: smem_bytes_decode): the ring [STAGES][16 slots][HKV records of 2 D + 8
+// bytes] (or the merge scratch if larger), each head's Q^T fragments [HKV][D / 16][32] x 8 bytes,
+// the mbarriers full[STAGES], empty[STAGES]. After the loop the first region holds the consumer
+// warps' (max, sum) [8][8][2] and accumulators [8][8][D] for the merge of each head's warps.
+// MODE 0: partials for the combine kernel; 1: the CTAs of a request meet at a counter (sync_ctr[b]:
+// arrivals and a generation) once all have written their partials, then CTA s merges query rows s, s + num_splits,
+// ... (the grid is at most one CTA per SM: all co-resident); 2: read-only probe (the consumers
+// wait for and release each chunk without computing; timing only).
+template <int D, int STAGES, int HKV, bool BF16, int MODE>
+__global__ void __launch_bounds__(288, 1) verify_attn_decode(
     const unsigned short* __restrict__ q,  // [N, Hq, D]
     const signed char* __restrict__ kv,    // the K view's base: record of (block 0, slot 0, head 0)
     const int* __restrict__ block_table,   // [B, stride_bt]
@@ -1807,31 +1834,38 @@ __global__ void __launch_bounds__(256, 1) verify_attn_decode(
     int window,                            // key k visible from position p iff p - k < window; 0: none
     int num_splits, int num_q_tiles, int block_q, int G, int page, int num_kv_heads,
     int stride_q_tok, int stride_q_head, int stride_o_tok, int stride_o_head,
-    int stride_kv_blk, int stride_kv_slot, int stride_kv_head, int stride_bt) {
+    int stride_kv_blk, int stride_kv_slot, int stride_kv_head, int stride_bt,
+    int* __restrict__ tile_ctr,           // [B] chunk-batch counters, zero between launches
+    u64* __restrict__ sync_ctr,           // MODE 1: [B] (generation << 32 | arrivals), zero at first
+    u64* __restrict__ trace_buf,          // [CTAs][8] %globaltimer stamps when trace_on (diag)
+    int trace_on) {
   using namespace va;
-  constexpr int NI = D / 32;       // 32-dim blocks
-  constexpr int KS = D / 16;       // k-steps of QK = m16 tiles of PV
-  constexpr int NWD = 8;           // warps per CTA
-  constexpr int SUB = NWD / HKV;   // warps (streams) per KV head
-  static_assert(NWD % HKV == 0, "1, 2, 4 or 8 KV heads");
-  constexpr int RP = 2 * D + 16;   // ring row pitch: one key's 16-byte-aligned record window
-  constexpr int CK = D / 8;        // 16-byte copies per key in the main rounds (RP / 16 = CK + 1)
-  constexpr int KPR = 32 / CK;     // keys per main round
-  constexpr int RING = STAGES * 16 * RP;  // bytes per warp
+  // Stamps: 0 CTA start, 1 producer done issuing, 2 consumers done, 3 partials written, 4 SM id,
+  // 5 chunks the CTA copied.
+  u64* const tr = trace_on ? trace_buf + (blockIdx.y * gridDim.x + blockIdx.x) * 8 : nullptr;
+  if (tr && threadIdx.x == 0) tr[0] = globaltimer();
+  constexpr int NI = D / 32;              // 32-dim blocks
+  constexpr int KS = D / 16;              // k-steps of QK = m16 tiles of PV
+  constexpr int NWD = 8;                  // consumer warps; warp NWD is the producer
+  constexpr int SUB = NWD / HKV;          // consumer warps per KV head
+  constexpr int REC = 2 * D + 8;          // one (slot, head) record
+  constexpr int SLOTB = HKV * REC;        // one slot: the ring's row pitch
+  constexpr int STAGE = 16 * SLOTB;       // one chunk: 16 slots
   static_assert(D == 128 || D == 256, "head size 128 or 256");
-  static_assert(NWD * RING >= NWD * 8 * (D + 2) * 4, "the merge scratch fits in the rings");
+  static_assert(NWD % HKV == 0, "1, 2, 4 or 8 KV heads");
+  constexpr int SCR = NWD * 8 * (D + 2) * 4;  // merge scratch
+  constexpr int R0 = STAGES * STAGE > SCR ? STAGES * STAGE : SCR;
   extern __shared__ __align__(128) unsigned char dsmem[];
   const u32 ring0 = smem_addr(dsmem);
-  const u32 qf_all = ring0 + NWD * RING;                                             // [HKV][KS][32] uint2
-  float* nb_all = reinterpret_cast<float*>(dsmem + NWD * RING + HKV * KS * 32 * 8);  // [HKV][8]
+  const u32 qf_all = ring0 + R0;  // [HKV][KS][32] uint2
+  const u32 full0 = qf_all + HKV * KS * 256, empty0 = full0 + 8 * STAGES;
+  volatile int* const idx_s = reinterpret_cast<volatile int*>(dsmem + R0 + HKV * KS * 256 + 16 * STAGES);  // [STAGES]
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int h = warp % HKV, sub = warp / HKV;
+  const int h = warp % HKV, sub = warp / HKV;  // consumers (warp < NWD)
   const int qt = blockIdx.x % num_q_tiles;
   const int split = blockIdx.x / num_q_tiles;
   const int b = blockIdx.y;
-  const u32 qf_s = qf_all + h * (KS * 32 * 8);
-  float* const nb_s = nb_all + h * 8;
 
   const int q_start = cu_q[b];
   const int q_len = cu_q[b + 1] - q_start;
@@ -1845,43 +1879,81 @@ __global__ void __launch_bounds__(256, 1) verify_attn_decode(
   const int c_lo = k_lo >> 4;  // chunks are absolute 16-key blocks: one page's slice each
   const int n_chunks = k_hi > k_lo ? ((k_hi - 1) >> 4) - c_lo + 1 : 0;
   const int Hq = num_kv_heads * G;
-  const int W = num_splits * SUB;  // a stream's step through the unit's chunks
-  const int* const bt_row = block_table + (i64)b * stride_bt;
-  const int shift = (int)((reinterpret_cast<u64>(kv) + (u64)h * (u64)stride_kv_head) & 15u);
-  // The head's window base: records start shift (0 or 8) bytes into their 16-byte windows.
-  const u64 kvh = reinterpret_cast<u64>(kv) + (u64)(i64)(h * stride_kv_head - shift);
-  const u32 ring = ring0 + warp * RING;
 
-  auto blk_of = [&](int ci) -> int {
-    return ci < n_chunks ? bt_row[(u32)((c_lo + ci) << 4) / (u32)page] : 0;
-  };
-  // Copy chunk ci (block blk) into stage st: round r moves CK 16-byte pieces of KPR keys (512
-  // contiguous bytes per key at D = 256), then lanes < 16 the last piece of key `lane`. The keys
-  // past k_hi are in the same page (its block exists): copied, masked later.
-  auto issue = [&](int st, int ci, int blk) {
-    const int slot0 = (int)((u32)((c_lo + ci) << 4) % (u32)page);
-    const u64 src = kvh + (u64)((i64)blk * stride_kv_blk + (i64)slot0 * stride_kv_slot);
-    const u32 dst = ring + st * (16 * RP);
-    const int kl = lane / CK, ch = lane % CK;
+  if (tid == 0) {
 #pragma unroll
-    for (int r = 0; r < 16 / KPR; ++r) {
-      const int kk = r * KPR + kl;
-      cp_async16(dst + kk * RP + ch * 16, src + (u64)(kk * stride_kv_slot) + ch * 16, 16);
-    }
-    if (lane < 16) cp_async16(dst + lane * RP + CK * 16, src + (u64)(lane * stride_kv_slot) + CK * 16, 16);
-  };
-
-  // The first STAGES - 1 chunks' copies go out before Q is prepared.
-  const int ci0 = split + sub * num_splits;
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    const int ci = ci0 + s * W;
-    if (ci < n_chunks) issue(s, ci, blk_of(ci));
-    cp_async_commit();
+    for (int s = 0; s < STAGES; ++s) mbar_init(full0 + 8 * s, 1), mbar_init(empty0 + 8 * s, HKV);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  int blk_n = blk_of(ci0 + (STAGES - 1) * W);  // block of the next chunk to copy
+  __syncthreads();  // the mbarriers: the producer starts copying while the consumers load Q
 
-  // ---- Q^T fragments -> shared memory (fp16, pre-scaled, dims permuted as the K reads are).
+  float m_r[2] = {M_EMPTY, M_EMPTY}, l_r[2] = {0.f, 0.f};
+  float acc[KS][4];
+#pragma unroll
+  for (int i = 0; i < KS; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+
+  if (warp == NWD) {
+    // ---- producer. Chunks: first split + j num_splits (j < STAGES, no atomic before the first
+    // copies), then batches of 4 consecutive chunks from the request's counter (dynamic, as the
+    // wgmma kernel's DYN tiles: CTAs that stream faster take more, so all end within about one
+    // batch; with static chunks the CTAs' ends spread over ~10 µs at 100K b1, H200). The lanes
+    // look a batch's page slices up at once; lane 0 posts each chunk's index and copy once its
+    // stage's previous chunk is consumed, then SUB sentinels (-1) end the consumers' loops.
+    const int* const bt_row = block_table + (i64)b * stride_bt;
+    int k = 0;  // chunks posted
+    auto post = [&](int ci, u64 src) {  // lane 0
+      const int st = k % STAGES;
+      if (k >= STAGES) mbar_wait(empty0 + 8 * st, ((k / STAGES) - 1) & 1);
+      idx_s[st] = ci;
+      if (ci >= 0) {
+        mbar_expect_tx(full0 + 8 * st, STAGE);
+        bulk_g2s(ring0 + st * STAGE, src, STAGE, full0 + 8 * st);
+      } else {
+        mbar_arrive(full0 + 8 * st);  // the release orders idx_s before the consumers' acquire
+      }
+      ++k;
+    };
+    auto post_batch = [&](int c0, int step, int cnt) {  // chunks c0 + i step, i < cnt <= 32
+      const int c = c0 + lane * step;
+      u64 src = 0;
+      if (lane < cnt && c < n_chunks) {
+        const int kb = (c_lo + c) << 4;
+        const int p = (int)((u32)kb / (u32)page);
+        src = reinterpret_cast<u64>(kv) + (u64)((i64)bt_row[p] * stride_kv_blk + (i64)(kb - p * page) * stride_kv_slot);
+      }
+      for (int i = 0; i < cnt; ++i) {
+        const u64 sk = ((u64)shfl_idx((u32)(src >> 32), i) << 32) | shfl_idx((u32)src, i);
+        if (lane == 0 && c0 + i * step < n_chunks) post(c0 + i * step, sk);
+      }
+    };
+    int* const ctr = tile_ctr + b;
+    const int first_dyn = STAGES * num_splits;
+    const int full_grabs = max(n_chunks - first_dyn, 0) / 4;  // grabs of 4 valid chunks
+    int g = 0;
+    if (lane == 0) g = atomicAdd(ctr, 1);  // in flight while the static chunks are posted
+    post_batch(split, num_splits, STAGES);
+    g = shfl_idx((u32)g, 0);
+    for (;;) {
+      const int base = first_dyn + 4 * g;
+      const bool last = base + 4 > n_chunks;  // this CTA's one grab past the unit's chunks
+      int g2 = 0;
+      if (!last && lane == 0) g2 = atomicAdd(ctr, 1);  // the next batch, in flight meanwhile
+      post_batch(base, 1, 4);
+      if (last) {
+        // The unit's last failing grab resets the counter for the next launch (graph replay).
+        if (lane == 0 && g == full_grabs + num_splits - 1) atomicExch(ctr, 0);
+        break;
+      }
+      g = shfl_idx((u32)g2, 0);
+    }
+    if (lane == 0)
+      for (int i = 0; i < SUB; ++i) post(-1, 0);
+    if (tr && lane == 0) tr[1] = globaltimer(), tr[5] = k;
+  } else {
+  // ---- consumers: Q^T fragments -> shared memory (fp16, pre-scaled, dims permuted as the K
+  // reads are), then a barrier of the 8 consumer warps only (named barrier 1).
   {
     const float qs = (float)qk_scale_d;
     for (int e = tid; e < HKV * KS * 32; e += NWD * 32) {
@@ -1901,10 +1973,11 @@ __global__ void __launch_bounds__(256, 1) verify_attn_decode(
       sts32(qf_all + 8 * e + 4, fr.y);
     }
   }
-  __syncthreads();
-  // Row sums of the fp16 Q as stored (the K bias): lane (g, t) adds row g's values of its
-  // fragments, then the 4 lanes of g; this thread's S columns are query rows 2t, 2t+1.
-  {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(NWD * 32) : "memory");
+
+    // Row sums of the fp16 Q as stored (the K bias): lane (g, t) adds row g's values of its head's
+    // fragments, then the 4 lanes of g; this thread's S columns are query rows 2t, 2t+1.
+    const u32 qf_s = qf_all + h * (KS * 256);
     float qr = 0.f;
 #pragma unroll
     for (int j = 0; j < KS; ++j) {
@@ -1913,122 +1986,119 @@ __global__ void __launch_bounds__(256, 1) verify_attn_decode(
     }
     qr += shfl_xor(qr, 1);
     qr += shfl_xor(qr, 2);
-    if (sub == 0 && t == 0) nb_s[g] = -1152.f * qr;
-  }
-  __syncthreads();
-  const float2 nb = *reinterpret_cast<const float2*>(nb_s + 2 * t);
+    const float nb0 = -1152.f * __shfl_sync(0xffffffffu, qr, 8 * t);
+    const float nb1 = -1152.f * __shfl_sync(0xffffffffu, qr, 8 * t + 4);
 
-  float m_r[2] = {M_EMPTY, M_EMPTY}, l_r[2] = {0.f, 0.f};
-  float acc[KS][4];
-#pragma unroll
-  for (int i = 0; i < KS; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
-
-  // ---- the stream: chunks ci0 + k W, STAGES - 1 in flight.
-  for (int it = 0;; ++it) {
-    const int ci = ci0 + it * W;
-    if (ci >= n_chunks) break;  // uniform over the warp
-    __syncwarp();  // every lane is done with the stage the next copy overwrites (chunk it - 1's)
-    {
-      const int cn = ci + (STAGES - 1) * W;
-      if (cn < n_chunks) issue((it + STAGES - 1) % STAGES, cn, blk_n);
-      cp_async_commit();
-      blk_n = blk_of(cn + W);
-    }
-    cp_async_wait<STAGES - 1>();  // this lane's copies of chunk it landed
-    __syncwarp();                 // and every lane's
-    const u32 st = ring + (it % STAGES) * (16 * RP) + shift;
-    const int kb = (c_lo + ci) << 4;
-
-    // S^T: s[2 hh + e] = key g + 8 hh, query row 2 t + e.
-    float s[4] = {nb.x, nb.y, nb.x, nb.y};
-    const u32 k0 = st + g * RP + 4 * t;
-#pragma unroll
-    for (int j = 0; j < KS; ++j) {
-      const uint2 qb = lds64(qf_s + 8 * (j * 32 + lane));
-      const u32 w0 = lds32(k0 + 16 * j);
-      const u32 w1 = lds32(k0 + 8 * RP + 16 * j);
-      u32 a[4];
-      i8x4_to_f16_biased(w0, a[0], a[2]);
-      i8x4_to_f16_biased(w1, a[1], a[3]);
-      mma16816(s, a, qb.x, qb.y);
-    }
-    const float ks0 = lds_f32(st + g * RP + D), ks1 = lds_f32(st + (g + 8) * RP + D);
-    float vs0 = lds_f32(st + g * RP + 2 * D + 4), vs1 = lds_f32(st + (g + 8) * RP + 2 * D + 4);
-    s[0] *= ks0, s[1] *= ks0, s[2] *= ks1, s[3] *= ks1;
-    const bool need_mask = kb + 16 > k_hi || kb + 15 > ctx + q_lo || (window > 0 && kb < ctx + q_hi - window);
-    if (need_mask) {
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int kpos = kb + g + 8 * hh;
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int qp = ctx + q_lo + (2 * t + e) / G;
-          const bool vis = kpos < k_hi && kpos <= qp && (window <= 0 || qp - kpos < window);
-          if (!vis) s[2 * hh + e] = NEG_INF;
-        }
-        // Records outside [k_lo, k_hi) may hold anything (their scales too): P x 0, not P x NaN.
-        if (kpos >= k_hi || kpos < k_lo) (hh ? vs1 : vs0) = 0.f;
+    // ---- consumer: chunks k = sub, sub + SUB, ... of this CTA, head h.
+    for (int k = sub;; k += SUB) {
+      const int st = k % STAGES;
+      mbar_wait(full0 + 8 * st, (k / STAGES) & 1);
+      const int ci = idx_s[st];
+      if (ci < 0) break;  // the producer's sentinel
+      if (MODE == 2) {  // probe: release the chunk unread
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * st);
+        continue;
       }
-    }
-    const float c0 = fmaxf(s[0], s[2]), c1 = fmaxf(s[1], s[3]);
-    if (__any_sync(0xffffffffu, c0 > m_r[0] + 8.f || c1 > m_r[1] + 8.f)) {
-      float t0 = c0, t1 = c1;
+      const u32 rec0 = ring0 + st * STAGE + h * REC;  // key kk's record: rec0 + kk * SLOTB
+      const int kb = (c_lo + ci) << 4;
+
+      // S^T: s[2 hh + e] = key g + 8 hh, query row 2 t + e.
+      float s[4] = {nb0, nb1, nb0, nb1};
+      const u32 k0 = rec0 + g * SLOTB + 4 * t;
 #pragma unroll
-      for (int m = 4; m < 32; m *= 2) t0 = fmaxf(t0, shfl_xor(t0, m)), t1 = fmaxf(t1, shfl_xor(t1, m));
-      const float mn0 = t0 > m_r[0] + 8.f ? t0 : m_r[0];
-      const float mn1 = t1 > m_r[1] + 8.f ? t1 : m_r[1];
-      const float al0 = mn0 == m_r[0] ? 1.f : ex2(m_r[0] - mn0);
-      const float al1 = mn1 == m_r[1] ? 1.f : ex2(m_r[1] - mn1);
-      m_r[0] = mn0, m_r[1] = mn1;
-      l_r[0] *= al0, l_r[1] *= al1;
+      for (int j = 0; j < KS; ++j) {
+        const uint2 qb = lds64(qf_s + 8 * (j * 32 + lane));
+        const u32 w0 = lds32(k0 + 16 * j);
+        const u32 w1 = lds32(k0 + 8 * SLOTB + 16 * j);
+        u32 a[4];
+        i8x4_to_f16_biased(w0, a[0], a[2]);
+        i8x4_to_f16_biased(w1, a[1], a[3]);
+        mma16816(s, a, qb.x, qb.y);
+      }
+      const float ks0 = lds_f32(rec0 + g * SLOTB + D), ks1 = lds_f32(rec0 + (g + 8) * SLOTB + D);
+      float vs0 = lds_f32(rec0 + g * SLOTB + 2 * D + 4), vs1 = lds_f32(rec0 + (g + 8) * SLOTB + 2 * D + 4);
+      s[0] *= ks0, s[1] *= ks0, s[2] *= ks1, s[3] *= ks1;
+      const bool need_mask = kb + 16 > k_hi || kb + 15 > ctx + q_lo || (window > 0 && kb < ctx + q_hi - window);
+      if (need_mask) {
 #pragma unroll
-      for (int i = 0; i < KS; ++i) acc[i][0] *= al0, acc[i][1] *= al1, acc[i][2] *= al0, acc[i][3] *= al1;
-    }
-    const float p0 = ex2(s[0] - m_r[0]), p1 = ex2(s[1] - m_r[1]);
-    const float p2 = ex2(s[2] - m_r[0]), p3 = ex2(s[3] - m_r[1]);
-    l_r[0] += p0 + p2, l_r[1] += p1 + p3;
-    const u32 b0 = movmatrix_t(pack_f16(p0 * vs0, p1 * vs0));  // keys 2t, 2t+1 of query row g
-    const u32 b1 = movmatrix_t(pack_f16(p2 * vs1, p3 * vs1));  // keys 2t+8, 2t+9
-    // O^T += V^T P^T: m16 tile 2 i + p, rows g / g + 8 = dims 32 i + 4 g + 2 p / + 1.
-    const u32 v0 = st + D + 4 + 4 * g + 2 * t * RP;  // key 2t
+        for (int hh = 0; hh < 2; ++hh) {
+          const int kpos = kb + g + 8 * hh;
 #pragma unroll
-    for (int i = 0; i < NI; ++i) {
-      const u32 x0 = lds32(v0 + 32 * i), x1 = lds32(v0 + RP + 32 * i);            // keys 2t, 2t+1
-      const u32 y0 = lds32(v0 + 8 * RP + 32 * i), y1 = lds32(v0 + 9 * RP + 32 * i);  // 2t+8, 2t+9
-      u32 e[4], f[4];
-      i8x4_to_f16(prmt(x0, x1, 0x5140u), e[0], e[1]);  // dims +0, +1 of keys 2t, 2t+1
-      i8x4_to_f16(prmt(x0, x1, 0x7362u), e[2], e[3]);  // dims +2, +3
-      i8x4_to_f16(prmt(y0, y1, 0x5140u), f[0], f[1]);  // keys 2t+8, 2t+9
-      i8x4_to_f16(prmt(y0, y1, 0x7362u), f[2], f[3]);
-      const u32 a0[4] = {e[0], e[1], f[0], f[1]};
-      const u32 a1[4] = {e[2], e[3], f[2], f[3]};
-      mma16816(acc[2 * i], a0, b0, b1);
-      mma16816(acc[2 * i + 1], a1, b0, b1);
+          for (int e = 0; e < 2; ++e) {
+            const int qp = ctx + q_lo + (2 * t + e) / G;
+            const bool vis = kpos < k_hi && kpos <= qp && (window <= 0 || qp - kpos < window);
+            if (!vis) s[2 * hh + e] = NEG_INF;
+          }
+          // Records outside [k_lo, k_hi) may hold anything (their scales too): P x 0, not P x NaN.
+          if (kpos >= k_hi || kpos < k_lo) (hh ? vs1 : vs0) = 0.f;
+        }
+      }
+      const float c0 = fmaxf(s[0], s[2]), c1 = fmaxf(s[1], s[3]);
+      if (__any_sync(0xffffffffu, c0 > m_r[0] + 8.f || c1 > m_r[1] + 8.f)) {
+        float t0 = c0, t1 = c1;
+#pragma unroll
+        for (int m = 4; m < 32; m *= 2) t0 = fmaxf(t0, shfl_xor(t0, m)), t1 = fmaxf(t1, shfl_xor(t1, m));
+        const float mn0 = t0 > m_r[0] + 8.f ? t0 : m_r[0];
+        const float mn1 = t1 > m_r[1] + 8.f ? t1 : m_r[1];
+        const float al0 = mn0 == m_r[0] ? 1.f : ex2(m_r[0] - mn0);
+        const float al1 = mn1 == m_r[1] ? 1.f : ex2(m_r[1] - mn1);
+        m_r[0] = mn0, m_r[1] = mn1;
+        l_r[0] *= al0, l_r[1] *= al1;
+#pragma unroll
+        for (int i = 0; i < KS; ++i) acc[i][0] *= al0, acc[i][1] *= al1, acc[i][2] *= al0, acc[i][3] *= al1;
+      }
+      const float p0 = ex2(s[0] - m_r[0]), p1 = ex2(s[1] - m_r[1]);
+      const float p2 = ex2(s[2] - m_r[0]), p3 = ex2(s[3] - m_r[1]);
+      l_r[0] += p0 + p2, l_r[1] += p1 + p3;
+      const u32 b0 = movmatrix_t(pack_f16(p0 * vs0, p1 * vs0));  // keys 2t, 2t+1 of query row g
+      const u32 b1 = movmatrix_t(pack_f16(p2 * vs1, p3 * vs1));  // keys 2t+8, 2t+9
+      // O^T += V^T P^T: m16 tile 2 i + p, rows g / g + 8 = dims 32 i + 4 g + 2 p / + 1.
+      const u32 v0 = rec0 + D + 4 + 4 * g + 2 * t * SLOTB;  // key 2t
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const u32 x0 = lds32(v0 + 32 * i), x1 = lds32(v0 + SLOTB + 32 * i);                // keys 2t, 2t+1
+        const u32 y0 = lds32(v0 + 8 * SLOTB + 32 * i), y1 = lds32(v0 + 9 * SLOTB + 32 * i);  // 2t+8, 2t+9
+        u32 e[4], f[4];
+        i8x4_to_f16(prmt(x0, x1, 0x5140u), e[0], e[1]);  // dims +0, +1 of keys 2t, 2t+1
+        i8x4_to_f16(prmt(x0, x1, 0x7362u), e[2], e[3]);  // dims +2, +3
+        i8x4_to_f16(prmt(y0, y1, 0x5140u), f[0], f[1]);  // keys 2t+8, 2t+9
+        i8x4_to_f16(prmt(y0, y1, 0x7362u), f[2], f[3]);
+        const u32 a0[4] = {e[0], e[1], f[0], f[1]};
+        const u32 a1[4] = {e[2], e[3], f[2], f[3]};
+        mma16816(acc[2 * i], a0, b0, b1);
+        mma16816(acc[2 * i + 1], a1, b0, b1);
+      }
+      __syncwarp();  // every lane is done with the stage
+      if (lane == 0) mbar_arrive(empty0 + 8 * st);
     }
   }
-  cp_async_wait<0>();
-  __syncthreads();  // every warp is done with its ring: the merge scratch overlays them
+  // The combine kernel, when launched with programmatic dependent launch, may start its CTAs
+  // from here on (it waits for this grid's completion and memory before reading the partials).
+  griddep_launch_dependents();
+  __syncthreads();  // every chunk copied was consumed: the merge scratch overlays the ring
+  if (tr && tid == 0) tr[2] = globaltimer(), tr[4] = smid();
 
   // ---- merge each head's warps, then one partial row (or the output) per query row.
   float* const ml_s = reinterpret_cast<float*>(dsmem);  // [NWD][8][2]
   float* const acc_s = ml_s + NWD * 8 * 2;              // [NWD][8][D]
+  if (warp < NWD) {
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    float l = l_r[e];
-    l += shfl_xor(l, 4);
-    l += shfl_xor(l, 8);
-    l += shfl_xor(l, 16);
-    const int row = 2 * t + e;
-    if (g == 0) ml_s[(warp * 8 + row) * 2] = m_r[e], ml_s[(warp * 8 + row) * 2 + 1] = l;
+    for (int e = 0; e < 2; ++e) {
+      float l = l_r[e];
+      l += shfl_xor(l, 4);
+      l += shfl_xor(l, 8);
+      l += shfl_xor(l, 16);
+      const int row = 2 * t + e;
+      if (g == 0) ml_s[(warp * 8 + row) * 2] = m_r[e], ml_s[(warp * 8 + row) * 2 + 1] = l;
 #pragma unroll
-    for (int i = 0; i < NI; ++i)
-      *reinterpret_cast<float4*>(acc_s + (warp * 8 + row) * D + 32 * i + 4 * g) =
-          make_float4(acc[2 * i][e], acc[2 * i][2 + e], acc[2 * i + 1][e], acc[2 * i + 1][2 + e]);
+      for (int i = 0; i < NI; ++i)
+        *reinterpret_cast<float4*>(acc_s + (warp * 8 + row) * D + 32 * i + 4 * g) =
+            make_float4(acc[2 * i][e], acc[2 * i][2 + e], acc[2 * i + 1][e], acc[2 * i + 1][2 + e]);
+    }
   }
   __syncthreads();
-  for (int it = tid; it < HKV * 8 * (D / 4); it += NWD * 32) {
+  for (int it = tid; it < HKV * 8 * (D / 4); it += blockDim.x) {
     const int hm = it / (8 * (D / 4)), row = (it / (D / 4)) % 8, d4 = it % (D / 4);
     if (row >= rows) continue;
     float mx = M_EMPTY;
@@ -2056,6 +2126,88 @@ __global__ void __launch_bounds__(256, 1) verify_attn_decode(
       const i64 pr = (tok * Hq + hq) * num_splits + split;
       *reinterpret_cast<float4*>(part_acc + pr * D + 4 * d4) = a;
       if (d4 == 0) part_ml[pr * 2] = mx == M_EMPTY ? NEG_INF : mx, part_ml[pr * 2 + 1] = l;
+    }
+  }
+  if (tr) {
+    __syncthreads();
+    if (tid == 0) tr[3] = globaltimer();
+  }
+  if constexpr (MODE == 1) {
+    if (num_splits == 1) return;
+    // ---- every CTA of the request has written its partials: merge rows split, split + S, ...
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      // Low word: arrivals of this launch; high word: launches completed. The last arrival
+      // starts the next generation (and resets the count), the others wait for it.
+      const u64 old = atomicAdd(sync_ctr + b, 1ull);
+      if ((u32)old == (u32)(num_splits - 1)) {
+        __threadfence();
+        atomicAdd(sync_ctr + b, (1ull << 32) - (u64)num_splits);
+      } else {
+        for (;;) {
+          u64 v;
+          asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(sync_ctr + b) : "memory");
+          if ((v >> 32) != (old >> 32)) break;
+          __nanosleep(32);
+        }
+      }
+    }
+    __syncthreads();
+    constexpr int L = D / 4, SG = 256 / L;  // groups of L threads, one float4 column each
+    float2* const mls = reinterpret_cast<float2*>(dsmem);            // [num_splits <= 256]
+    float* const red = reinterpret_cast<float*>(dsmem + 256 * 8);    // [9]
+    float4* const accs = reinterpret_cast<float4*>(dsmem + 256 * 8 + 64);  // [SG][L]
+    float* const dens = reinterpret_cast<float*>(dsmem + 256 * 8 + 64 + SG * L * 16);  // [SG]
+    const int sg = tid / L, c4 = tid % L;
+    for (int r = split; r < rows * HKV; r += num_splits) {  // uniform over the CTA
+      const int hm = r / rows, row = r - hm * rows;
+      const i64 tok = (i64)q_start + q_lo + row / G;
+      const int hq = hm * G + row % G;
+      const i64 rowi = tok * Hq + hq;
+      float mx = NEG_INF;
+      for (int s = tid; s < num_splits; s += blockDim.x) {
+        const float2 t = reinterpret_cast<const float2*>(part_ml)[rowi * num_splits + s];
+        mls[s] = t;
+        mx = fmaxf(mx, t.x);
+      }
+#pragma unroll
+      for (int o = 16; o; o >>= 1) mx = fmaxf(mx, shfl_xor(mx, o));
+      if (lane == 0) red[warp] = mx;
+      __syncthreads();
+      mx = red[0];
+      for (int w = 1; w <= NWD; ++w) mx = fmaxf(mx, red[w]);
+      float4 acc4 = make_float4(0.f, 0.f, 0.f, 0.f);
+      float den = 0.f;
+      if (sg < SG) {
+        const float* const pa = part_acc + rowi * num_splits * D + 4 * c4;
+        for (int s = sg; s < num_splits; s += SG) {
+          const float2 t = mls[s];
+          const float w = t.x == NEG_INF ? 0.f : ex2(t.x - mx);
+          den += w * t.y;
+          if (w > 0.f) {
+            const float4 v = *reinterpret_cast<const float4*>(pa + (i64)s * D);
+            acc4.x += w * v.x, acc4.y += w * v.y, acc4.z += w * v.z, acc4.w += w * v.w;
+          }
+        }
+        accs[sg * L + c4] = acc4;
+        if (c4 == 0) dens[sg] = den;
+      }
+      __syncthreads();
+      if (sg == 0) {
+#pragma unroll
+        for (int k = 1; k < SG; ++k) {
+          const float4 t = accs[k * L + c4];
+          acc4.x += t.x, acc4.y += t.y, acc4.z += t.z, acc4.w += t.w;
+          den += dens[k];
+        }
+        const float inv = den > 0.f ? 1.f / den : 0.f;
+        uint2 pk;
+        pk.x = pack_out<BF16>(acc4.x * inv, acc4.y * inv);
+        pk.y = pack_out<BF16>(acc4.z * inv, acc4.w * inv);
+        *reinterpret_cast<uint2*>(out + tok * stride_o_tok + (i64)hq * stride_o_head + 4 * c4) = pk;
+      }
+      __syncthreads();  // mls / accs reused by the next row
     }
   }
 }
