@@ -108,15 +108,6 @@ CANDIDATES["c12"] = (4, _plus(CANDIDATES["c5"][1], {"POLL_MAX_P": 256}))
 # and then before ours): c12 / c5 worst row 1.019, geometric mean 0.955 over the 32 rows, 256K B8
 # n5-5 6.22-6.25 / 6.39-6.45 µs vs 6.37-6.42 / 6.70-6.74: c12 becomes DEFAULT.
 DEFAULT = "c12"
-# c14 / c15 (session 7, H200 calls 2-3, NOTES.md): SUM=1 / SUM=2 (triton._fold_sum) with the ticket
-# word behind a second pointer argument: the no-match 100K B1 row gained 5-7%, the quoting one lost
-# 8-13%.  c16 / c17: the same folds with the word cast from the workspace's int32 pointer (c12's own
-# address registers), to see whether that argument was the quoting rows' loss.
-CANDIDATES["c16"] = (4, _plus(CANDIDATES["c12"][1], {"SUM": 2}))
-CANDIDATES["c17"] = (4, _plus(CANDIDATES["c12"][1], {"SUM": 1}))
-# c18 (session 8): c16 whose programs with a match load their own draft before their max op, so a
-# last arrival whose own match won stores it with no read after its ticket (NOTES.md, "Next").
-CANDIDATES["c18"] = (4, _plus(CANDIDATES["c12"][1], {"SUM": 3}))
 
 
 def _tier(work: int) -> int:

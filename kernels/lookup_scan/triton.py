@@ -231,7 +231,6 @@ def lookup_scan_kernel(
     FAST: tl.constexpr = 0, FOLD: tl.constexpr = 1, SUFFIX_AT_S: tl.constexpr = 0,
     SPREAD: tl.constexpr = 0, COVER: tl.constexpr = 0, EDGE_ONLY: tl.constexpr = 0, TICKETS: tl.constexpr = 0,
     HIT: tl.constexpr = 0, STAMPS: tl.constexpr = 0, POLL: tl.constexpr = 0, PP: tl.constexpr = 1,
-    SUM: tl.constexpr = 0,
 ):
     BLOCK: tl.constexpr = ROWS * 4 * NV
     i_p, i_b = tl.program_id(0), tl.program_id(1)
@@ -299,13 +298,6 @@ def lookup_scan_kernel(
                 # (the draft is read from the history, which no program writes), so nothing else
                 # has to be ordered before it.
                 tl.atomic_max(w_sl + i_p, best + 1, sem="relaxed")
-    elif SUM:
-        tl.static_assert((SPREAD == 1) & (TICKETS == 0), "SUM: SPREAD=1 (the request's line), no TICKETS")
-        if i_p < n_act:
-            # bytes 64-71 of the request's line as one int64 word (w_tk and the word after it); a cast
-            # of the int32 pointer, not a second pointer argument (H200, NOTES: c14 / c15 had one)
-            _fold_sum((w_tk).to(tl.pointer_type(tl.int64)), w_max, best, n_act, p_h, L, s, drafts, num_valid, i_b, p_st,
-                      K_DRAFT, KP, POS_BITS, STAMPS, SUM)
     elif i_p < n_act:
         # TICKETS > 0: two-level tickets (timing variant): program i_p counts on group word
         # i_p % TICKETS of the request's line and the last of each group takes the request's
@@ -377,63 +369,6 @@ def lookup_scan_kernel(
 
 
 @triton.jit
-def _fold_sum(w_t64, w_max, best, n_act, p_h, L, s, drafts, num_valid, i_b, p_st, K_DRAFT: tl.constexpr,
-              KP: tl.constexpr, POS_BITS: tl.constexpr, STAMPS: tl.constexpr, SUM: tl.constexpr):
-    """SUM's fold: the ticket is one int64 word (bytes 64-71 of the request's line) whose high half
-    carries the max, so the last arrival has it in its ticket's return value and goes straight to
-    the draft, without c5's dependent read of the max word (one L2 trip).  Bits 0-15 count arrivals
-    (P <= 65535: no carry between fields).
-    SUM=2: a program with a match raises the max word with a returning atomic_max and adds what it
-    raised it by, max(score - old, 0), to the high half: the raises of one word form a chain
-    0 -> v1 -> ... -> v_max, so the increments telescope to the max whatever the order, for any
-    number of matches.
-    SUM=1: a program with a match adds 1 << 16 (bits 16-31 count the matches) + score << 32; the
-    sum is the max only with at most one match, else the last arrival reads the max word.
-    SUM=3: SUM 2, and a program with a match loads its own draft before its max op (in flight with
-    it; the tokens after its own tile, mostly cached): when it draws the last ticket and the sum is
-    its own score, it stores that draft without a read after the ticket (the quoting row's last
-    arrival is a program with a match: H200 stamps of c16, NOTES.md).
-    Either way a program with a match releases with its ticket (its max op is ordered before any
-    use or reset of the max word) and the others acquire, as FENCE 4 does."""
-    o_d = tl.arange(0, KP)
-    d_own = tl.zeros([KP], dtype=p_h.dtype.element_ty)
-    if best > 0:
-        if SUM == 3:
-            own = best & ((1 << POS_BITS) - 1)
-            d_own = tl.load(p_h + own + o_d, mask=o_d < tl.minimum(L - own, K_DRAFT), other=0)
-        if SUM >= 2:
-            raised = tl.maximum(best - tl.atomic_max(w_max, best, sem="relaxed"), 0)
-            mine = (raised.to(tl.int64) << 32) + 1
-        else:
-            tl.atomic_max(w_max, best, sem="relaxed")
-            mine = (best.to(tl.int64) << 32) + (1 << 16) + 1
-        old = tl.atomic_add(w_t64, mine, sem="acq_rel")
-    else:
-        mine = best.to(tl.int64) * 0 + 1
-        old = tl.atomic_add(w_t64, mine, sem="acquire")
-    tot = old + mine
-    if STAMPS:
-        tl.store(p_st + 3, _stamp(tot.to(tl.int32)))
-    if (tot & 0xFFFF) == n_act:
-        # Last arrival: every other program's add (and the max op each released) happened before.
-        if (SUM >= 2) | (((tot >> 16) & 0xFFFF) <= 1):
-            fin = (tot >> 32).to(tl.int32)  # SUM 1: 0 (no match) or the one match's score
-        else:
-            fin = tl.load(w_max, volatile=True)
-        if STAMPS:
-            tl.store(p_st + 4, _stamp(fin))
-        tl.store(w_max, 0)
-        tl.store(w_t64, 0)
-        if SUM == 3:
-            if (fin == best) & (best > 0):  # its own match won: the draft is in registers
-                _store_draft(d_own, fin, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS, STAMPS)
-            else:
-                _finish(p_h, fin, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS, STAMPS)
-        else:
-            _finish(p_h, fin, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS, STAMPS)
-
-
-@triton.jit
 def _finish(p_h, best, L, s, drafts, num_valid, i_b, p_st, K_DRAFT: tl.constexpr, KP: tl.constexpr,
             POS_BITS: tl.constexpr, STAMPS: tl.constexpr):
     """The request's proposal from its best packed score: the K_DRAFT tokens after the winning end
@@ -442,16 +377,6 @@ def _finish(p_h, best, L, s, drafts, num_valid, i_b, p_st, K_DRAFT: tl.constexpr
     start = best & ((1 << POS_BITS) - 1)  # e + 1 of the winning end position
     nv = tl.where(best > 0, tl.minimum(L - start, K_DRAFT), 0)
     d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
-    _store_draft(d_tok, best, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS, STAMPS)
-
-
-@triton.jit
-def _store_draft(d_tok, best, L, s, drafts, num_valid, i_b, p_st, K_DRAFT: tl.constexpr, KP: tl.constexpr,
-                 POS_BITS: tl.constexpr, STAMPS: tl.constexpr):
-    """_finish's stores, with the draft tokens d_tok [KP] (from start = e + 1 of `best`) given."""
-    o_d = tl.arange(0, KP)
-    start = best & ((1 << POS_BITS) - 1)
-    nv = tl.where(best > 0, tl.minimum(L - start, K_DRAFT), 0)
     out = tl.where(o_d < nv, d_tok, s[0]).to(tl.int64)
     if STAMPS:
         tl.store(p_st + 5, _stamp(tl.sum(out, axis=0)))

@@ -120,18 +120,14 @@ def test_req_indices_and_workspace_reuse():
     ((1, 1, 1, 64, 4, 0), 3, {"SPREAD": 1, "FAST": 2, "HIT": 3}),
     ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "COVER": 1, "FAST": 2, "HIT": 2}),
     ((1, 1, 1, 64, 4, 0), 3, {"POLL": 1}), ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "COVER": 1, "POLL": 1}),
-    ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "SUM": 1}), ((1, 1, 1, 64, 4, 0), 3, {"SPREAD": 1, "SUM": 1}),
-    ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "SUM": 2}), ((1, 1, 1, 64, 4, 0), 3, {"SPREAD": 1, "COVER": 1, "SUM": 2}),
 ], ids=["loop", "idle-nofence-order", "G2", "idle-acquire-load", "idle-acquire-tickets", "spread-cover-edge1",
         "spread-fast-loop", "two-level-tickets", "hit-xor-min", "fast2-hit-prefix-loop", "fast2-no-hit-idle",
-        "poll-loop", "poll-idle", "sum-idle", "sum-loop", "sum2-idle", "sum2-loop"])
+        "poll-loop", "poll-idle"])
 def test_configs_block_loop_and_idle_programs(config, programs, opts):
     """Tile configs (NV, G, warps, cap, fence, order): P=3 loops over tiles past the program cap; P=10
     leaves programs with no tile (no ticket; the finisher counts only the active ones) on the short
     rows, with the fence-free fold and the barrier-ordered loads; G=2 gives each thread two rows; FENCE
-    3/4 release only from programs that wrote a max; POLL: per-program slots and a polling last program;
-    SUM: the ticket word counts the matches and sums their scores (vocab-4 rows: many matches, the
-    max word; repetitive rows: few).  Switches: SPREAD (a workspace line per
+    3/4 release only from programs that wrote a max; POLL: per-program slots and a polling last program.  Switches: SPREAD (a workspace line per
     request), COVER (loop-free kernel: the 6 x 256 grid covers the buffer; ignored where P=3 does
     not), EDGE_ONLY (one scoring copy), FAST (row-local keys) under a register cap, TICKETS (two-level
     tickets: 3 group words; the short rows have fewer active programs than groups); HIT 1 / 3 / 2
@@ -147,38 +143,6 @@ def test_configs_block_loop_and_idle_programs(config, programs, opts):
                torch.full((4,), -7, dtype=torch.int32, device=DEVICE))
         d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 5, None, ws, out, programs, config, opts)
         dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 5)
-        assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
-        assert not ws.any()
-
-
-@pytest.mark.parametrize("sum_", [1, 2, 3])
-@pytest.mark.parametrize("programs", [10, 3], ids=["idle", "loop"])
-def test_sum_fold_paths(programs, sum_):
-    """SUM's cases: no program with a match (the sum is 0), exactly one (SUM 1: the sum is its
-    score, no max read), two in different tiles (SUM 1: the max word; SUM 2: the telescoped
-    raises), three with the winner in the last arrival's tile (SUM 3: its own prefetched draft),
-    per request in one launch, across tiles and the loop past the program cap."""
-    from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
-
-    S = 1500
-    base = torch.arange(S, dtype=torch.int32) + 100  # distinct tokens: no repeat anywhere
-    suffix = base[-9:].clone()
-    one = base.clone()
-    one[400:409] = suffix  # one earlier copy of the last 9 tokens
-    two = one.clone()
-    two[900:909] = suffix  # and a second, in another tile
-    late = two.clone()
-    late[1300:1309] = suffix  # the winner in the last program's tile (the interpreter's last arrival)
-    tok = torch.stack([base, one, two, two, late])
-    lens = torch.tensor([S, S, S, 1000, S], dtype=torch.int32)  # row 3: only the first copy is in range
-    ws = torch.zeros(workspace_numel(5), dtype=torch.int64, device=DEVICE)
-    for min_n, max_n in [(2, 9), (4, 4)]:
-        out = (torch.full((5, 5), -7, dtype=torch.int64, device=DEVICE),
-               torch.full((5,), -7, dtype=torch.int32, device=DEVICE))
-        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 5, None, ws, out, programs,
-                               (2, 1, 1, 64, 4, 0), {"SPREAD": 1, "SUM": sum_})
-        dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 5)
-        assert nr.tolist()[:3] == [0, 5, 5] and dr[4].tolist() == base[1309:1314].tolist()
         assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
         assert not ws.any()
 
@@ -205,7 +169,7 @@ def test_rule_tiers():
     assert tier_candidate("c4", 3, 5)[0][:3] == (1, 4, 4) and tier_candidate("c4", 3, 12)[0][:4] == CONFIG_LARGE[:4]
 
 
-@pytest.mark.parametrize("cand", ["c12", "c5", "c3", "c16", "c18"])
+@pytest.mark.parametrize("cand", ["c12", "c5", "c3"])
 @pytest.mark.parametrize("tier", range(4), ids=["w1-128", "w1-256", "w4-1024-order", "w4-2048"])
 def test_rule_configs(tier, cand):
     """Each config the rule can pick, with the launcher's own grid (P from the cap): mixed lengths,
@@ -231,7 +195,7 @@ def test_rule_configs(tier, cand):
 
 
 @pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
-@pytest.mark.parametrize("cand", ["default", "c1", "c3", "c4", "c10", "c12", "c16", "c17", "c18"])
+@pytest.mark.parametrize("cand", ["default", "c1", "c3", "c4", "c10", "c12"])
 @pytest.mark.parametrize("S", [8192, 100_000, 262_144])
 @pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
 def test_real_lengths_gpu(S, min_n, max_n, cand):
@@ -251,34 +215,6 @@ def test_real_lengths_gpu(S, min_n, max_n, cand):
                torch.full((8,), -7, dtype=torch.int32, device=DEVICE))
         d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, config, opts)
         assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr), cand
-        assert not ws.any()
-
-
-@pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
-@pytest.mark.parametrize("cand", ["c16", "c17", "c18"])
-@pytest.mark.parametrize("S", [100_000, 262_144])
-@pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
-def test_sum_real_lengths_gpu(S, min_n, max_n, cand):
-    """SUM at batch 1 with 391 / 1,024 programs (c12's 100K B1 tile): a quoting history, vocab-8
-    noise (no match or many), distinct tokens with one and with two earlier copies of the suffix."""
-    from kernels.lookup_scan.triton import candidate, lookup_scan_fwd, workspace_numel
-
-    config, opts = candidate(cand, 1, 100_000, max_n)
-    opts = {**opts, "POLL_MAX_P": 0}
-    base = torch.randperm(2_000_000, generator=torch.Generator().manual_seed(S))[:S].to(torch.int32)
-    one = base.clone()
-    one[S // 3:S // 3 + 12] = base[-12:]
-    two = one.clone()
-    two[S // 2:S // 2 + 12] = base[-12:]
-    rows = [repetitive(1, S, 150_000, seed=S)[0], torch.randint(0, 8, (S,), dtype=torch.int32), base, one, two]
-    ws = torch.zeros(workspace_numel(1), dtype=torch.int64, device=DEVICE)
-    for row in rows:
-        tok, lens = row[None], torch.tensor([S], dtype=torch.int32)
-        dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 7)
-        out = (torch.full((1, 7), -7, dtype=torch.int64, device=DEVICE),
-               torch.full((1,), -7, dtype=torch.int32, device=DEVICE))
-        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, config, opts)
-        assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
         assert not ws.any()
 
 
