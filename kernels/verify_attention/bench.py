@@ -429,7 +429,8 @@ def main() -> None:
                     help="pure-read ceiling probes at 100K b1 (ceiling_stream.py), then stop")  # fmt: skip
     ap.add_argument("--before-src", default=None, help="the .cu of commit 1344eca, timed as 'before-1344eca'")
     ap.add_argument("--before-dir", default=None,
-                    help="a folder with the previous commit's cuda/__init__.py and verify_attention.cu: "
+                    help="a folder with the previous commit's cuda/__init__.py and verify_attention.cu "
+                         "(and sm90_bulk.cuh where that commit has one): "
                          "its default path is timed as 'before' beside ours")  # fmt: skip
     args = ap.parse_args()
     if args.profile_one:

@@ -20,7 +20,7 @@
 //   KV head c % 4, through the same 16-byte-aligned 528-byte window per (slot, head) (33 loads;
 //   the window starts 0 or 8 bytes before the 520-byte record, so it overlaps a neighbour's).
 //
-// No header: compiled by NVRTC (torch.cuda._compile_kernel) for sm_90a.
+// No header: compiled by NVRTC (torch.cuda._compile_kernel) for sm_90a, after cuda/sm90_bulk.cuh.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -57,33 +57,7 @@ DI u32 warp_sum(u32 x) {
   return x;
 }
 
-// ---- mbarrier / bulk-copy helpers (sm_90) ----
-DI void mbar_init(u32 bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-DI void mbar_wait(u32 bar, u32 parity) {
-  u32 ok = 0;
-  while (!ok) {
-    asm volatile(
-        "{ .reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p; }\n"
-        : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
-  }
-}
-DI void mbar_arrive(u32 bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-DI void mbar_expect_tx(u32 bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-DI void bulk_g2s(u32 dst, u64 src, u32 bytes, u32 bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
+// mbar_* and bulk_g2s: cuda/sm90_bulk.cuh, put in front of this text by ceiling_stream.py.
 
 // grid: (CTAs, 1, 1), block: 32 x (1 + CW), dynamic shared memory STAGES x TOK x SLOT bytes.
 // sink: int32 [grid x CW] (one sum per consumer warp).

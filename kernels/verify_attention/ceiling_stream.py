@@ -28,6 +28,11 @@ from kernels.verify_attention import cuda as vc
 from kernels.verify_attention.reference import Int8KVCache
 
 SOURCE = Path(__file__).with_name("ceiling_stream.cu")
+
+
+def _source() -> str:
+    """The probes' source after the shared mbarrier / TMA helpers (no include path in NVRTC)."""
+    return vc.BULK_HELPERS.read_text() + SOURCE.read_text()
 SLOT_BYTES = 2080  # 4 KV heads x 520-byte records: the only layout the probes are written for
 REC_WORDS = 130  # 32-bit words per 520-byte record
 # Words a head probe reads twice per slot: its 528-byte windows of heads 0 and 1 (and 2 and 3)
@@ -84,7 +89,7 @@ DEFAULT_PROBES = (
 
 def jobs(probes: tuple[Probe, ...], pages: tuple[int, ...]) -> list[tuple[str, int, str]]:
     """``vc.precompile`` jobs for these probes at these page sizes."""
-    src = SOURCE.read_text()
+    src = _source()
     return [(*p.kernel(page), src) for p in probes for page in pages]
 
 
@@ -102,7 +107,7 @@ def launcher(
     warps = 4 if p.kind == "tma" else 8
     sink = torch.zeros(grid * warps, dtype=torch.int32, device=block_table.device)
     name, smem = p.kernel(page)
-    kernel = vc._compiled(name, smem, SOURCE.read_text())
+    kernel = vc._compiled(name, smem, _source())
     kv, bt = pool.raw, block_table[0].contiguous()
     threads = 160 if p.kind == "tma" else 256
 

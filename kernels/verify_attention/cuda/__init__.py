@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 SOURCE = Path(__file__).with_name("verify_attention.cu")
+BULK_HELPERS = Path(__file__).with_name("sm90_bulk.cuh")  # put in front of the kernel source
 THREADS = 128  # VA_THREADS in the .cu
 BN = 64  # VA_BN: keys per tile
 MAX_ROWS = 48  # query rows (tokens x GQA group) per CTA: 3 m16 tiles, 96 accumulator registers
@@ -51,20 +52,17 @@ def smem_bytes_wg(d: int, n8: int, stages: int) -> int:
 DECODE_WARPS = 8  # verify_attn_decode: consumer warps per CTA (warp w computes KV head w % Hkv)
 
 
-def smem_bytes_decode(d: int, stages: int, hkv: int) -> int:
+def smem_bytes_decode(d: int, hkv: int, stages: int) -> int:
     """Dynamic shared memory of one verify_attn_decode CTA: the ring of ``stages`` chunks (16 slots
     of every head) or the merge scratch that overlays it, whichever is larger, each head's Q^T
-    fragments, the mbarriers (mirrors the carve-up in the .cu)."""
+    fragments, the mbarriers and the stages' chunk indices (mirrors the carve-up in the .cu)."""
     ring = max(stages * 16 * hkv * (2 * d + 8), DECODE_WARPS * 8 * (d + 2) * 4)
     return ring + hkv * (d // 16) * 32 * 8 + 16 * stages + 4 * stages
 
 
 def pick_stages_decode(d: int, hkv: int) -> int:
-    """Deepest ring (2..6 chunks) of one CTA per SM (sm_90: 227 KB per CTA)."""
-    stages = 2
-    while stages < 6 and smem_bytes_decode(d, stages + 1, hkv) <= SHARED_PER_SM - 1024:
-        stages += 1
-    return stages
+    """Deepest ring (2..6 chunks) of one CTA per SM."""
+    return pick_stages(d, hkv, smem_bytes_decode, ctas_per_sm=1, most=6)
 
 
 def num_splits_decode(num_seqs: int, keys: int, sms: int) -> int:
@@ -73,11 +71,12 @@ def num_splits_decode(num_seqs: int, keys: int, sms: int) -> int:
     return max(1, min(max(1, sms // max(1, num_seqs)), -(-keys // (16 * DECODE_WARPS))))
 
 
-def pick_stages(d: int, tiles: int, smem=smem_bytes) -> int:
-    """Deepest ring (2..4) that still lets CTAS_PER_SM CTAs share an SM."""
-    per_cta = SHARED_PER_SM // CTAS_PER_SM - 1024
+def pick_stages(d: int, tiles: int, smem=smem_bytes, ctas_per_sm: int = CTAS_PER_SM, most: int = 4) -> int:
+    """Deepest ring (2..most) that still lets ctas_per_sm CTAs share an SM (1 KB of its shared
+    memory is reserved per CTA); ``smem(d, tiles, stages)`` is the kernel's carve-up."""
+    per_cta = SHARED_PER_SM // ctas_per_sm - 1024
     stages = 2
-    while stages < 4 and smem(d, tiles, stages + 1) <= per_cta:
+    while stages < most and smem(d, tiles, stages + 1) <= per_cta:
         stages += 1
     return stages
 
@@ -200,7 +199,7 @@ def merge_fits(d: int, n8: int, stages: int, num_splits: int, gs: int) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _source() -> str:
-    return SOURCE.read_text()
+    return BULK_HELPERS.read_text() + SOURCE.read_text()
 
 
 @functools.lru_cache(maxsize=None)
@@ -259,34 +258,33 @@ def split_variant(
 # (eager) call and grown only outside a CUDA-graph capture; launches using it must be ordered on
 # one stream (two concurrent launches on different streams would share counters).
 _COUNTERS: dict[int, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    buf = _COUNTERS.get(idx)
-    if buf is None or buf.numel() < n:
-        if buf is not None and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("verify_attention: tile counters must grow before graph capture")
-        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[idx] = buf
-    return buf
-
-
 # Per-device arrival counters of verify_attn_decode's in-kernel merge (decode_mode=1): one 64-bit
 # word per request, (generation << 32 | arrivals); each launch's last arrival resets the count and
-# starts the next generation, so graph replays need no reset. Grown only outside a capture.
+# starts the next generation, so graph replays need no reset.
 _SYNC: dict[int, torch.Tensor] = {}
 
 
-def _sync_counters(device: torch.device, n: int) -> torch.Tensor:
+def _zeros_buffer(
+    bufs: dict[int, torch.Tensor], device: torch.device, n: int, dtype: torch.dtype, what: str
+) -> torch.Tensor:
+    """The per-device zero-initialised buffer of ``bufs`` with at least n elements; grown only
+    outside a CUDA-graph capture (a captured launch must see the buffer of its replays)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    buf = _SYNC.get(idx)
+    buf = bufs.get(idx)
     if buf is None or buf.numel() < n:
         if buf is not None and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("verify_attention: sync counters must grow before graph capture")
-        buf = torch.zeros(max(n, 1024), dtype=torch.int64, device=device)
-        _SYNC[idx] = buf
+            raise RuntimeError(f"verify_attention: {what} must grow before graph capture")
+        buf = torch.zeros(max(n, 1 << 16), dtype=dtype, device=device)
+        bufs[idx] = buf
     return buf
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    return _zeros_buffer(_COUNTERS, device, n, torch.int32, "tile counters")
+
+
+def _sync_counters(device: torch.device, n: int) -> torch.Tensor:
+    return _zeros_buffer(_SYNC, device, n, torch.int64, "sync counters")
 
 
 # Per-device partials workspace (HH_VERIFY_ATTENTION_WORKSPACE=1): uint8, the partial rows then
@@ -546,7 +544,7 @@ def verify_attention_cuda(
         if decode_mode == 1 and n_qt * num_splits * num_seqs > torch.cuda.get_device_properties(q.device).multi_processor_count:
             decode_mode = 0  # the in-kernel merge needs every CTA resident (one per SM)
         stages = stages or pick_stages_decode(d, hkv)
-        smem = smem_bytes_decode(d, stages, hkv)
+        smem = smem_bytes_decode(d, hkv, stages)
         split_kernel = _compiled(f"verify_attn_decode<{d}, {stages}, {hkv}, {bf16}, {decode_mode}>", smem)
         sched, ph = "static", False
         ckind = combine_kernel or default_combine()

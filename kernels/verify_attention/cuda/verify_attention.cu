@@ -1,7 +1,8 @@
 // Split-KV verify attention over vLLM 0.32.0's int8 per-token-head paged KV cache (CUDA).
 //
 // Compiled at run time by NVRTC (kernels/verify_attention/cuda/__init__.py), so it includes no
-// header: every special instruction is inline PTX. Two versions of the split kernel:
+// header: every special instruction is inline PTX (the launcher puts sm90_bulk.cuh, the mbarrier
+// and TMA helpers, in front of this text). Two versions of the split kernel:
 // verify_attn_split (mma.sync, cp.async, ldmatrix: sm_80+; the kernel of commit ea506d7) and
 // verify_attn_split_wg (both products on wgmma: sm_90a only; the default, see its header below).
 // Sized for sm_90 (two 128-thread CTAs per SM fit its 228 KB of shared memory).
@@ -71,6 +72,11 @@ DI void cp_async_wait() {
 DI u32 lds32(u32 addr) {
   u32 v;
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+DI uint2 lds64(u32 addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
   return v;
 }
 DI float lds_f32(u32 addr) {
@@ -186,7 +192,44 @@ DI u32 smid() {
 }
 
 
-// ---- Shared by both split kernels (verify_attn_split, verify_attn_split_wg) ----
+// The arguments of every split kernel (verify_attn_split, _split_wg, _decode), in the launcher's
+// order; some kernels take more after them.
+#define VA_SPLIT_ARGS                                                                              \
+  const unsigned short* __restrict__ q,  /* [N, Hq, D] */                                          \
+  const signed char* __restrict__ kv,    /* the K view's base: record of (block 0, slot 0, head 0) */ \
+  const int* __restrict__ block_table,   /* [B, stride_bt] */                                       \
+  const int* __restrict__ seq_lens,      /* [B] */                                                  \
+  const int* __restrict__ cu_q,          /* [B + 1] */                                              \
+  unsigned short* __restrict__ out,      /* [N, Hq, D], written when num_splits == 1 */             \
+  float* __restrict__ part_acc,          /* [N, Hq, num_splits, D] when num_splits > 1 */           \
+  float* __restrict__ part_ml,           /* [N, Hq, num_splits, 2] */                               \
+  double qk_scale_d,                     /* softmax_scale * log2(e) */                              \
+  int window,                            /* key k visible from position p iff p - k < window; 0: none */ \
+  int num_splits, int num_q_tiles, int block_q, int G, int page, int num_kv_heads,                 \
+  int stride_q_tok, int stride_q_head, int stride_o_tok, int stride_o_head,                        \
+  int stride_kv_blk, int stride_kv_slot, int stride_kv_head, int stride_bt
+
+// ---- Shared by the split kernels (verify_attn_split, verify_attn_split_wg, verify_attn_decode) ----
+
+// One (request b, query tile qt) unit of a split kernel: query tokens [q_lo, q_hi) of the request's
+// q_len (its first at row q_start of q), rows = (q_hi - q_lo) x G query rows, keys [k_lo, k_hi):
+// ctx keys before the request's first query, causal, from the first query's window when window > 0.
+struct Unit {
+  int q_start, q_len, q_lo, q_hi, rows, ctx, k_lo, k_hi;
+};
+// False when the tile lies past the request's queries (uniform over a CTA: the kernel returns).
+DI bool unit_at(Unit& u, const int* cu_q, const int* seq_lens, int b, int qt, int block_q, int G, int window) {
+  u.q_start = cu_q[b];
+  u.q_len = cu_q[b + 1] - u.q_start;
+  u.q_lo = qt * block_q;
+  if (u.q_lo >= u.q_len) return false;
+  u.q_hi = min(u.q_lo + block_q, u.q_len);
+  u.rows = (u.q_hi - u.q_lo) * G;
+  u.ctx = seq_lens[b] - u.q_len;
+  u.k_hi = u.ctx + u.q_hi;
+  u.k_lo = window > 0 ? max(u.ctx + u.q_lo - window + 1, 0) : 0;
+  return true;
+}
 
 // Block-table lookup of one key (blk = -1 past n_end: its copy zero-fills).
 DI void lookup_key(int key, int n_end, int page, const int* bt_row, int& blk, int& slot) {
@@ -304,19 +347,7 @@ DI void store_rows(const float (&acc)[D / 64][N8][4], const float* red_s, const 
 // tiles in the PV product (rows <= 8 N8); STAGES ring depth; BF16 q/out dtype (else fp16).
 template <int D, int MT, int N8, int STAGES, bool BF16>
 __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split(
-    const unsigned short* __restrict__ q,  // [N, Hq, D]
-    const signed char* __restrict__ kv,    // the K view's base: record of (block 0, slot 0, head 0)
-    const int* __restrict__ block_table,   // [B, stride_bt]
-    const int* __restrict__ seq_lens,      // [B]
-    const int* __restrict__ cu_q,          // [B + 1]
-    unsigned short* __restrict__ out,      // [N, Hq, D], written when num_splits == 1
-    float* __restrict__ part_acc,          // [N, Hq, num_splits, D] when num_splits > 1
-    float* __restrict__ part_ml,           // [N, Hq, num_splits, 2]
-    double qk_scale_d,                     // softmax_scale * log2(e)
-    int window,                            // key k visible from position p iff p - k < window; 0: none
-    int num_splits, int num_q_tiles, int block_q, int G, int page, int num_kv_heads,
-    int stride_q_tok, int stride_q_head, int stride_o_tok, int stride_o_head,
-    int stride_kv_blk, int stride_kv_slot, int stride_kv_head, int stride_bt) {
+    VA_SPLIT_ARGS) {
   using namespace va;
   constexpr int BN = VA_BN;
   constexpr int NW = VA_THREADS / 32;
@@ -347,15 +378,11 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split(
   const int split = bx / num_q_tiles;
   const int b = blockIdx.y;
 
-  const int q_start = cu_q[b];
-  const int q_len = cu_q[b + 1] - q_start;
-  const int q_lo = qt * block_q;
-  if (q_lo >= q_len) return;  // uniform over the CTA
-  const int q_hi = min(q_lo + block_q, q_len);
-  const int rows = (q_hi - q_lo) * G;
-  const int ctx = seq_lens[b] - q_len;
-  const int k_hi = ctx + q_hi;
-  const int k_lo = window > 0 ? max(ctx + q_lo - window + 1, 0) : 0;
+  Unit un;
+  if (!unit_at(un, cu_q, seq_lens, b, qt, block_q, G, window)) return;  // uniform over the CTA
+  const int q_start = un.q_start, q_lo = un.q_lo, q_hi = un.q_hi;
+  const int rows = un.rows;
+  const int ctx = un.ctx, k_hi = un.k_hi, k_lo = un.k_lo;
   const int span = max(k_hi - k_lo, 0);
   const int per = ((span + num_splits - 1) / num_splits + BN - 1) / BN * BN;
   const int n_start = k_lo + split * per;
@@ -1244,19 +1271,7 @@ DI bool arrive_last(int* ctr, int count, int* flag, int tid) {
 // (verify_attn_combine_w<D, BF16, true>) reads back. Never with FUSE.
 template <int D, int N8, int STAGES, bool BF16, bool DYN, bool FUSE = false, bool PH = false>
 __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
-    const unsigned short* __restrict__ q,  // [N, Hq, D]
-    const signed char* __restrict__ kv,    // the K view's base: record of (block 0, slot 0, head 0)
-    const int* __restrict__ block_table,   // [B, stride_bt]
-    const int* __restrict__ seq_lens,      // [B]
-    const int* __restrict__ cu_q,          // [B + 1]
-    unsigned short* __restrict__ out,      // [N, Hq, D], written when num_splits == 1
-    float* __restrict__ part_acc,          // [N, Hq, num_splits, D] when num_splits > 1
-    float* __restrict__ part_ml,           // [N, Hq, num_splits, 2]
-    double qk_scale_d,                     // softmax_scale * log2(e)
-    int window,                            // key k visible from position p iff p - k < window; 0: none
-    int num_splits, int num_q_tiles, int block_q, int G, int page, int num_kv_heads,
-    int stride_q_tok, int stride_q_head, int stride_o_tok, int stride_o_head,
-    int stride_kv_blk, int stride_kv_slot, int stride_kv_head, int stride_bt,
+    VA_SPLIT_ARGS,
     int* __restrict__ tile_ctr,            // DYN: [B, num_q_tiles, num_kv_heads], zero between calls
     u64* __restrict__ trace_buf,           // [CTAs][8] %globaltimer stamps when trace_on (bench.py)
     int trace_on,
@@ -1296,15 +1311,11 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
   const int split = bx / num_q_tiles;
   const int b = blockIdx.y;
 
-  const int q_start = cu_q[b];
-  const int q_len = cu_q[b + 1] - q_start;
-  const int q_lo = qt * block_q;
-  if (q_lo >= q_len) return;  // uniform over the CTA
-  const int q_hi = min(q_lo + block_q, q_len);
-  const int rows = (q_hi - q_lo) * G;
-  const int ctx = seq_lens[b] - q_len;
-  const int k_hi = ctx + q_hi;
-  const int k_lo = window > 0 ? max(ctx + q_lo - window + 1, 0) : 0;
+  Unit un;
+  if (!unit_at(un, cu_q, seq_lens, b, qt, block_q, G, window)) return;  // uniform over the CTA
+  const int q_start = un.q_start, q_lo = un.q_lo, q_hi = un.q_hi;
+  const int rows = un.rows;
+  const int ctx = un.ctx, k_hi = un.k_hi, k_lo = un.k_lo;
   const int span = max(k_hi - k_lo, 0);
   // Static: split s owns keys [n_start, n_end), its tiles in order. DYN: every split of the unit
   // (request, query tile, KV head) covers [k_lo, k_hi) and takes 64-key tiles by index.
@@ -1780,36 +1791,6 @@ DI u32 movmatrix_t(u32 a) {
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(a));
   return r;
 }
-DI uint2 lds64(u32 addr) {
-  uint2 v;
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
-  return v;
-}
-DI void mbar_init(u32 bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-DI void mbar_wait(u32 bar, u32 parity) {
-  u32 ok = 0;
-  while (!ok) {
-    asm volatile(
-        "{ .reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p; }\n"
-        : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
-  }
-}
-DI void mbar_arrive(u32 bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-DI void mbar_expect_tx(u32 bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-// TMA 1D bulk copy global -> shared, completing `bytes` on the mbarrier.
-DI void bulk_g2s(u32 dst, u64 src, u32 bytes, u32 bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
 }  // namespace va
 
 // Shared memory (launcher: smem_bytes_decode): the ring [STAGES][16 slots][HKV records of 2 D + 8
@@ -1822,19 +1803,7 @@ DI void bulk_g2s(u32 dst, u64 src, u32 bytes, u32 bar) {
 // wait for and release each chunk without computing; timing only).
 template <int D, int STAGES, int HKV, bool BF16, int MODE>
 __global__ void __launch_bounds__(288, 1) verify_attn_decode(
-    const unsigned short* __restrict__ q,  // [N, Hq, D]
-    const signed char* __restrict__ kv,    // the K view's base: record of (block 0, slot 0, head 0)
-    const int* __restrict__ block_table,   // [B, stride_bt]
-    const int* __restrict__ seq_lens,      // [B]
-    const int* __restrict__ cu_q,          // [B + 1]
-    unsigned short* __restrict__ out,      // [N, Hq, D], written when num_splits == 1
-    float* __restrict__ part_acc,          // [N, Hq, num_splits, D] when num_splits > 1
-    float* __restrict__ part_ml,           // [N, Hq, num_splits, 2]
-    double qk_scale_d,                     // softmax_scale * log2(e)
-    int window,                            // key k visible from position p iff p - k < window; 0: none
-    int num_splits, int num_q_tiles, int block_q, int G, int page, int num_kv_heads,
-    int stride_q_tok, int stride_q_head, int stride_o_tok, int stride_o_head,
-    int stride_kv_blk, int stride_kv_slot, int stride_kv_head, int stride_bt,
+    VA_SPLIT_ARGS,
     int* __restrict__ tile_ctr,           // [B] chunk-batch counters, zero between launches
     u64* __restrict__ sync_ctr,           // MODE 1: [B] (generation << 32 | arrivals), zero at first
     u64* __restrict__ trace_buf,          // [CTAs][8] %globaltimer stamps when trace_on (diag)
@@ -1867,15 +1836,11 @@ __global__ void __launch_bounds__(288, 1) verify_attn_decode(
   const int split = blockIdx.x / num_q_tiles;
   const int b = blockIdx.y;
 
-  const int q_start = cu_q[b];
-  const int q_len = cu_q[b + 1] - q_start;
-  const int q_lo = qt * block_q;
-  if (q_lo >= q_len) return;  // uniform over the CTA
-  const int q_hi = min(q_lo + block_q, q_len);
-  const int rows = (q_hi - q_lo) * G;  // <= 8 (launcher)
-  const int ctx = seq_lens[b] - q_len;
-  const int k_hi = ctx + q_hi;
-  const int k_lo = window > 0 ? max(ctx + q_lo - window + 1, 0) : 0;
+  Unit un;
+  if (!unit_at(un, cu_q, seq_lens, b, qt, block_q, G, window)) return;  // uniform over the CTA
+  const int q_start = un.q_start, q_lo = un.q_lo, q_hi = un.q_hi;
+  const int rows = un.rows;  // <= 8 (launcher)
+  const int ctx = un.ctx, k_hi = un.k_hi, k_lo = un.k_lo;
   const int c_lo = k_lo >> 4;  // chunks are absolute 16-key blocks: one page's slice each
   const int n_chunks = k_hi > k_lo ? ((k_hi - 1) >> 4) - c_lo + 1 : 0;
   const int Hq = num_kv_heads * G;
