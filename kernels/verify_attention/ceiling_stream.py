@@ -33,6 +33,8 @@ SOURCE = Path(__file__).with_name("ceiling_stream.cu")
 def _source() -> str:
     """The probes' source after the shared mbarrier / TMA helpers (no include path in NVRTC)."""
     return vc.BULK_HELPERS.read_text() + SOURCE.read_text()
+
+
 SLOT_BYTES = 2080  # 4 KV heads x 520-byte records: the only layout the probes are written for
 REC_WORDS = 130  # 32-bit words per 520-byte record
 # Words a head probe reads twice per slot: its 528-byte windows of heads 0 and 1 (and 2 and 3)

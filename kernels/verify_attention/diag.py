@@ -313,11 +313,20 @@ def decode_costs(flush: torch.Tensor, bw: float, results: list) -> None:
             variants["decode-split+empty-node"] = split_empty
             variants["decode+pdl"] = prob.cuda_variant(decode=True, pdl=True)
             variants["decode-probe-split"] = prob.cuda_variant(decode=True, decode_mode=2, combine=False)
-            variants["decode-col256"] = prob.cuda_variant(decode=True, combine_kernel="col", combine_cols=256)
-            variants["wgmma-static"] = prob.cuda_variant(decode=False, sched="static")
-            variants["wgmma-static-col256"] = prob.cuda_variant(decode=False, sched="static", combine_kernel="col",
-                                                                combine_cols=256)  # fmt: skip
-            variants["wgmma-static-split-only"] = prob.cuda_variant(decode=False, sched="static", combine=False)
+            # the read-only TMA probe of ceiling_stream.py (one CTA per SM, 16-slot copies, 6 stages;
+            # 94.7% of copy in its own session-5 process) on this problem's pool and block table
+            from kernels.verify_attention import ceiling_stream
+
+            variants["probe-tma16x6-split"] = ceiling_stream.launcher(
+                ceiling_stream.Probe("tma", 1, tok=16, stages=6), pool, prob.block_table, ctx)[0]
+            variants["decode-contig"] = prob.cuda_variant(decode=True, decode_contiguous=True)
+            variants["decode-contig-split-only"] = prob.cuda_variant(decode=True, decode_contiguous=True, combine=False)
+            variants["decode-contig-probe-split"] = prob.cuda_variant(decode=True, decode_contiguous=True,
+                                                                      decode_mode=2, combine=False)  # fmt: skip
+            variants["decode-probe3-split"] = prob.cuda_variant(decode=True, decode_mode=3, combine=False)
+            variants["decode-probe4-split"] = prob.cuda_variant(decode=True, decode_mode=4, combine=False)
+            variants["decode-contig-probe3-split"] = prob.cuda_variant(decode=True, decode_contiguous=True,
+                                                                       decode_mode=3, combine=False)  # fmt: skip
         variants["decode-fused"] = prob.cuda_variant(decode=True, decode_mode=1)
         label = f"ctx={ctx} T=1 b={b}"
         names = list(variants)
@@ -337,8 +346,8 @@ def decode_costs(flush: torch.Tensor, bw: float, results: list) -> None:
             # and of a row-grid col combine (256 dims per CTA) in one graph, 10 cold replays.
             from kernels.verify_attention.diag_combine import _trace
 
-            for name, kw in (("wgmma", {"decode": False}), ("wgmma-static", {"decode": False, "sched": "static"}),
-                             ("decode", {"decode": True})):  # fmt: skip
+            for name, kw in (("wgmma", {"decode": False}), ("decode", {"decode": True}),
+                             ("decode-contig", {"decode": True, "decode_contiguous": True})):  # fmt: skip
                 st = _trace(prob, flush, 256, False, **kw)
                 print(f"  {label} stamps {name}+col256: " + ", ".join(f"{k} {v:.2f}" for k, v in st.items()), flush=True)
                 results.append({"case": f"{label} stamps {name}+col256", **st})

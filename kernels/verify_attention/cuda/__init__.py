@@ -501,6 +501,7 @@ def verify_attention_cuda(
     combine_trace: torch.Tensor | None = None,
     decode: bool | None = None,
     decode_mode: int = 0,
+    decode_contiguous: bool = False,
 ) -> torch.Tensor:
     """Launch; the contract is ``kernels.verify_attention.verify_attention``'s (window = W or 0).
 
@@ -517,7 +518,8 @@ def verify_attention_cuda(
     ``workspace``: partials in the per-device buffer (None: ``default_workspace()``); ``decode``:
     verify_attn_decode where a query tile holds at most 8 rows (None: ``default_decode()``),
     ``decode_mode`` its merge: 0 partials + the combine kernel, 1 merged in the kernel after a
-    per-request counter, 2 read-only probe (timing only: out is not written)."""
+    per-request counter, 2 read-only probe (timing only: out is not written);
+    ``decode_contiguous``: each CTA copies one contiguous range of chunks (no dynamic batches)."""
     num_tokens, num_q_heads, d = q.shape
     num_seqs = seqused_k.shape[0]
     hkv = k.shape[2]
@@ -590,7 +592,7 @@ def verify_attention_cuda(
             gs, _counters(q.device, units * (ng + 2))[units:] if gs else out,
         ] if wgmma and not dec else [
             _counters(q.device, num_seqs), _sync_counters(q.device, num_seqs),
-            trace if trace is not None else out, int(trace is not None),
+            trace if trace is not None else out, int(trace is not None), int(decode_contiguous),
         ] if dec else []),
         shared_mem=smem,
     )  # fmt: skip

@@ -1799,15 +1799,17 @@ DI u32 movmatrix_t(u32 a) {
 // warps' (max, sum) [8][8][2] and accumulators [8][8][D] for the merge of each head's warps.
 // MODE 0: partials for the combine kernel; 1: the CTAs of a request meet at a counter (sync_ctr[b]:
 // arrivals and a generation) once all have written their partials, then CTA s merges query rows s, s + num_splits,
-// ... (the grid is at most one CTA per SM: all co-resident); 2: read-only probe (the consumers
-// wait for and release each chunk without computing; timing only).
+// ... (the grid is at most one CTA per SM: all co-resident); 2, 3, 4: read-only probes (the
+// consumers wait for and release each chunk without computing; timing only): 2 with the Q
+// prologue and the merge epilogue, 3 with neither, 4 with the Q prologue only.
 template <int D, int STAGES, int HKV, bool BF16, int MODE>
 __global__ void __launch_bounds__(288, 1) verify_attn_decode(
     VA_SPLIT_ARGS,
     int* __restrict__ tile_ctr,           // [B] chunk-batch counters, zero between launches
     u64* __restrict__ sync_ctr,           // MODE 1: [B] (generation << 32 | arrivals), zero at first
     u64* __restrict__ trace_buf,          // [CTAs][8] %globaltimer stamps when trace_on (diag)
-    int trace_on) {
+    int trace_on,
+    int contiguous) {                     // 1: CTA s copies chunks [s n / S, (s + 1) n / S) in order
   using namespace va;
   // Stamps: 0 CTA start, 1 producer done issuing, 2 consumers done, 3 partials written, 4 SM id,
   // 5 chunks the CTA copied.
@@ -1895,6 +1897,10 @@ __global__ void __launch_bounds__(288, 1) verify_attn_decode(
     };
     int* const ctr = tile_ctr + b;
     const int first_dyn = STAGES * num_splits;
+    if (contiguous) {  // one contiguous range per CTA, no counter (as ceiling_stream's TMA probe)
+      const int c0 = (int)((i64)split * n_chunks / num_splits), c1 = (int)((i64)(split + 1) * n_chunks / num_splits);
+      for (int cb = c0; cb < c1; cb += 32) post_batch(cb, 1, min(32, c1 - cb));
+    } else {
     const int full_grabs = max(n_chunks - first_dyn, 0) / 4;  // grabs of 4 valid chunks
     int g = 0;
     if (lane == 0) g = atomicAdd(ctr, 1);  // in flight while the static chunks are posted
@@ -1913,13 +1919,14 @@ __global__ void __launch_bounds__(288, 1) verify_attn_decode(
       }
       g = shfl_idx((u32)g2, 0);
     }
+    }
     if (lane == 0)
       for (int i = 0; i < SUB; ++i) post(-1, 0);
     if (tr && lane == 0) tr[1] = globaltimer(), tr[5] = k;
   } else {
   // ---- consumers: Q^T fragments -> shared memory (fp16, pre-scaled, dims permuted as the K
   // reads are), then a barrier of the 8 consumer warps only (named barrier 1).
-  {
+  if (MODE != 3) {  // MODE 3 (probe): no Q
     const float qs = (float)qk_scale_d;
     for (int e = tid; e < HKV * KS * 32; e += NWD * 32) {
       const int hq0 = (e / (KS * 32)) * G, j = (e >> 5) % KS, rg = (e & 31) >> 2, rt = e & 3;
@@ -1960,7 +1967,7 @@ __global__ void __launch_bounds__(288, 1) verify_attn_decode(
       mbar_wait(full0 + 8 * st, (k / STAGES) & 1);
       const int ci = idx_s[st];
       if (ci < 0) break;  // the producer's sentinel
-      if (MODE == 2) {  // probe: release the chunk unread
+      if (MODE >= 2) {  // probe: release the chunk unread
         __syncwarp();
         if (lane == 0) mbar_arrive(empty0 + 8 * st);
         continue;
@@ -2041,6 +2048,7 @@ __global__ void __launch_bounds__(288, 1) verify_attn_decode(
   // The combine kernel, when launched with programmatic dependent launch, may start its CTAs
   // from here on (it waits for this grid's completion and memory before reading the partials).
   griddep_launch_dependents();
+  if (MODE >= 3) return;  // probes 3 / 4: no merge, no partials
   __syncthreads();  // every chunk copied was consumed: the merge scratch overlays the ring
   if (tr && tid == 0) tr[2] = globaltimer(), tr[4] = smid();
 
