@@ -1,10 +1,13 @@
 """CUDA split-KV verify attention (verify_attention.cu beside this file), compiled at run time.
 
 NVRTC through ``torch.cuda._compile_kernel`` (no nvcc or CUDA headers needed on the user's
-machine; the kernel source includes no header), for sm_90a (wgmma is arch-specific).
-Two split kernels: ``wgmma`` (verify_attn_split_wg, the default) and ``mma`` (verify_attn_split,
-mma.sync: the kernel of commit ea506d7, kept as the baseline and a fallback);
-``HH_VERIFY_ATTENTION_MMA=mma|wgmma`` picks one. Each (head size, query tile, ring depth, dtype)
+machine; the kernel source includes no header: sm90_bulk.cuh's helpers are put in front of it),
+for sm_90a (wgmma is arch-specific). Two split kernels: ``wgmma`` (verify_attn_split_wg, the
+default) and ``mma`` (verify_attn_split, mma.sync: the kernel of commit ea506d7, kept as the
+baseline and a fallback); ``HH_VERIFY_ATTENTION_MMA=mma|wgmma`` picks one. A third,
+verify_attn_decode (TMA page slices, warp streams; at most 8 query rows per tile), is opt-in:
+``HH_VERIFY_ATTENTION_DECODE=1`` (faster from 150K keys or 4 requests, slower at 100K b1;
+NOTES.md). Each (head size, query tile, ring depth, dtype)
 variant is compiled once per process (about 4 s), on its first call: call once eagerly before a
 CUDA-graph capture (vLLM's warm-up does). Launches go to torch's current stream, so they are
 captured like any other kernel.
