@@ -327,7 +327,6 @@ def decode_costs(flush: torch.Tensor, bw: float, results: list) -> None:
             variants["decode-probe4-split"] = prob.cuda_variant(decode=True, decode_mode=4, combine=False)
             variants["decode-contig-probe3-split"] = prob.cuda_variant(decode=True, decode_contiguous=True,
                                                                        decode_mode=3, combine=False)  # fmt: skip
-        variants["decode-fused"] = prob.cuda_variant(decode=True, decode_mode=1)
         label = f"ctx={ctx} T=1 b={b}"
         names = list(variants)
         runs: dict[str, list[float]] = {}

@@ -442,26 +442,6 @@ def test_cuda_decode_kernel(seq_lens, q_lens, hq, hkv, d, page, window, splits, 
 
 
 @gpu_only
-@pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), DECODE_CASES)
-def test_cuda_decode_fused_merge(seq_lens, q_lens, hq, hkv, d, page, window, splits, monkeypatch):
-    """decode_mode=1: the request's CTAs meet at a counter and merge the partials in the kernel;
-    twice, then once with another split count, on the same counters."""
-    use_cuda_kernel(monkeypatch)
-    from kernels.verify_attention import cuda as va_cuda
-
-    cache, bt, cu, seq, q = build_problem(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16)
-    ref = naive_verify_attention(q, cache, cu, seq, bt, window_size=window)
-    w = window[0] + 1 if window[0] >= 0 else 0
-    for ns in (splits, splits, 5):
-        out = torch.full_like(q, float("nan"))
-        va_cuda.verify_attention_cuda(q, cache.k, out, cu, max(q_lens), seq, max(seq_lens), d**-0.5, w, bt,
-                                      num_splits=ns, decode=True, decode_mode=1)  # fmt: skip
-        assert not torch.isnan(out).any()
-        err = ((out.float() - ref).norm() / ref.norm()).item()
-        assert err < TOL[torch.bfloat16], err
-
-
-@gpu_only
 def test_cuda_decode_graph_replay_and_selection(monkeypatch):
     """The decode kernel is what runs at <= 8 rows (its compiled variant is the one looked up),
     and CUDA-graph replays of it stay correct."""

@@ -261,33 +261,17 @@ def split_variant(
 # (eager) call and grown only outside a CUDA-graph capture; launches using it must be ordered on
 # one stream (two concurrent launches on different streams would share counters).
 _COUNTERS: dict[int, torch.Tensor] = {}
-# Per-device arrival counters of verify_attn_decode's in-kernel merge (decode_mode=1): one 64-bit
-# word per request, (generation << 32 | arrivals); each launch's last arrival resets the count and
-# starts the next generation, so graph replays need no reset.
-_SYNC: dict[int, torch.Tensor] = {}
-
-
-def _zeros_buffer(
-    bufs: dict[int, torch.Tensor], device: torch.device, n: int, dtype: torch.dtype, what: str
-) -> torch.Tensor:
-    """The per-device zero-initialised buffer of ``bufs`` with at least n elements; grown only
-    outside a CUDA-graph capture (a captured launch must see the buffer of its replays)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    buf = bufs.get(idx)
-    if buf is None or buf.numel() < n:
-        if buf is not None and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"verify_attention: {what} must grow before graph capture")
-        buf = torch.zeros(max(n, 1 << 16), dtype=dtype, device=device)
-        bufs[idx] = buf
-    return buf
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    return _zeros_buffer(_COUNTERS, device, n, torch.int32, "tile counters")
-
-
-def _sync_counters(device: torch.device, n: int) -> torch.Tensor:
-    return _zeros_buffer(_SYNC, device, n, torch.int64, "sync counters")
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    buf = _COUNTERS.get(idx)
+    if buf is None or buf.numel() < n:
+        if buf is not None and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("verify_attention: tile counters must grow before graph capture")
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[idx] = buf
+    return buf
 
 
 # Per-device partials workspace (HH_VERIFY_ATTENTION_WORKSPACE=1): uint8, the partial rows then
@@ -520,8 +504,7 @@ def verify_attention_cuda(
     the col kernel's dims per CTA (None: ``default_combine_cols``), ``combine_trace`` its stamps;
     ``workspace``: partials in the per-device buffer (None: ``default_workspace()``); ``decode``:
     verify_attn_decode where a query tile holds at most 8 rows (None: ``default_decode()``),
-    ``decode_mode`` its merge: 0 partials + the combine kernel, 1 merged in the kernel after a
-    per-request counter, 2 read-only probe (timing only: out is not written);
+    ``decode_mode`` 0, or 2 / 3 / 4 for its read-only probes (timing only: out is not written);
     ``decode_contiguous``: each CTA copies one contiguous range of chunks (no dynamic batches)."""
     num_tokens, num_q_heads, d = q.shape
     num_seqs = seqused_k.shape[0]
@@ -546,8 +529,6 @@ def verify_attention_cuda(
         if num_splits_given is None:
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
             num_splits = num_splits_decode(num_seqs, keys, sms)
-        if decode_mode == 1 and n_qt * num_splits * num_seqs > torch.cuda.get_device_properties(q.device).multi_processor_count:
-            decode_mode = 0  # the in-kernel merge needs every CTA resident (one per SM)
         stages = stages or pick_stages_decode(d, hkv)
         smem = smem_bytes_decode(d, hkv, stages)
         split_kernel = _compiled(f"verify_attn_decode<{d}, {stages}, {hkv}, {bf16}, {decode_mode}>", smem)
@@ -594,12 +575,12 @@ def verify_attention_cuda(
             trace if trace is not None else out, int(trace is not None),
             gs, _counters(q.device, units * (ng + 2))[units:] if gs else out,
         ] if wgmma and not dec else [
-            _counters(q.device, num_seqs), _sync_counters(q.device, num_seqs),
-            trace if trace is not None else out, int(trace is not None), int(decode_contiguous),
+            _counters(q.device, num_seqs), trace if trace is not None else out, int(trace is not None),
+            int(decode_contiguous),
         ] if dec else []),
         shared_mem=smem,
     )  # fmt: skip
-    if num_splits > 1 and num_tokens and combine and not gs and not (dec and decode_mode):
+    if num_splits > 1 and num_tokens and combine and not gs and not (dec and decode_mode):  # probes: no merge
         # From 32 splits verify_attn_combine_r (default), _c or _w (one warp per row x 8 dims,
         # lane = split); below, ea506d7's combine: combine_w's lanes idle there (H200, drafter
         # w=2048 T=8 b4: 30.8 vs 25.5 µs; NOTES.md).

@@ -1797,16 +1797,14 @@ DI u32 movmatrix_t(u32 a) {
 // bytes] (or the merge scratch if larger), each head's Q^T fragments [HKV][D / 16][32] x 8 bytes,
 // the mbarriers full[STAGES], empty[STAGES]. After the loop the first region holds the consumer
 // warps' (max, sum) [8][8][2] and accumulators [8][8][D] for the merge of each head's warps.
-// MODE 0: partials for the combine kernel; 1: the CTAs of a request meet at a counter (sync_ctr[b]:
-// arrivals and a generation) once all have written their partials, then CTA s merges query rows s, s + num_splits,
-// ... (the grid is at most one CTA per SM: all co-resident); 2, 3, 4: read-only probes (the
-// consumers wait for and release each chunk without computing; timing only): 2 with the Q
-// prologue and the merge epilogue, 3 with neither, 4 with the Q prologue only.
+// MODE 0: partials for the combine kernel; 2, 3, 4: read-only probes (the consumers wait for and
+// release each chunk without computing; timing only): 2 with the Q prologue and the merge
+// epilogue, 3 with neither, 4 with the Q prologue only. (MODE 1, a merge inside the kernel after
+// a per-request arrival counter, measured no faster than the combine kernel: 4131fb8, NOTES.md.)
 template <int D, int STAGES, int HKV, bool BF16, int MODE>
 __global__ void __launch_bounds__(288, 1) verify_attn_decode(
     VA_SPLIT_ARGS,
     int* __restrict__ tile_ctr,           // [B] chunk-batch counters, zero between launches
-    u64* __restrict__ sync_ctr,           // MODE 1: [B] (generation << 32 | arrivals), zero at first
     u64* __restrict__ trace_buf,          // [CTAs][8] %globaltimer stamps when trace_on (diag)
     int trace_on,
     int contiguous) {                     // 1: CTA s copies chunks [s n / S, (s + 1) n / S) in order
@@ -2104,83 +2102,5 @@ __global__ void __launch_bounds__(288, 1) verify_attn_decode(
   if (tr) {
     __syncthreads();
     if (tid == 0) tr[3] = globaltimer();
-  }
-  if constexpr (MODE == 1) {
-    if (num_splits == 1) return;
-    // ---- every CTA of the request has written its partials: merge rows split, split + S, ...
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-      // Low word: arrivals of this launch; high word: launches completed. The last arrival
-      // starts the next generation (and resets the count), the others wait for it.
-      const u64 old = atomicAdd(sync_ctr + b, 1ull);
-      if ((u32)old == (u32)(num_splits - 1)) {
-        __threadfence();
-        atomicAdd(sync_ctr + b, (1ull << 32) - (u64)num_splits);
-      } else {
-        for (;;) {
-          u64 v;
-          asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(sync_ctr + b) : "memory");
-          if ((v >> 32) != (old >> 32)) break;
-          __nanosleep(32);
-        }
-      }
-    }
-    __syncthreads();
-    constexpr int L = D / 4, SG = 256 / L;  // groups of L threads, one float4 column each
-    float2* const mls = reinterpret_cast<float2*>(dsmem);            // [num_splits <= 256]
-    float* const red = reinterpret_cast<float*>(dsmem + 256 * 8);    // [9]
-    float4* const accs = reinterpret_cast<float4*>(dsmem + 256 * 8 + 64);  // [SG][L]
-    float* const dens = reinterpret_cast<float*>(dsmem + 256 * 8 + 64 + SG * L * 16);  // [SG]
-    const int sg = tid / L, c4 = tid % L;
-    for (int r = split; r < rows * HKV; r += num_splits) {  // uniform over the CTA
-      const int hm = r / rows, row = r - hm * rows;
-      const i64 tok = (i64)q_start + q_lo + row / G;
-      const int hq = hm * G + row % G;
-      const i64 rowi = tok * Hq + hq;
-      float mx = NEG_INF;
-      for (int s = tid; s < num_splits; s += blockDim.x) {
-        const float2 t = reinterpret_cast<const float2*>(part_ml)[rowi * num_splits + s];
-        mls[s] = t;
-        mx = fmaxf(mx, t.x);
-      }
-#pragma unroll
-      for (int o = 16; o; o >>= 1) mx = fmaxf(mx, shfl_xor(mx, o));
-      if (lane == 0) red[warp] = mx;
-      __syncthreads();
-      mx = red[0];
-      for (int w = 1; w <= NWD; ++w) mx = fmaxf(mx, red[w]);
-      float4 acc4 = make_float4(0.f, 0.f, 0.f, 0.f);
-      float den = 0.f;
-      if (sg < SG) {
-        const float* const pa = part_acc + rowi * num_splits * D + 4 * c4;
-        for (int s = sg; s < num_splits; s += SG) {
-          const float2 t = mls[s];
-          const float w = t.x == NEG_INF ? 0.f : ex2(t.x - mx);
-          den += w * t.y;
-          if (w > 0.f) {
-            const float4 v = *reinterpret_cast<const float4*>(pa + (i64)s * D);
-            acc4.x += w * v.x, acc4.y += w * v.y, acc4.z += w * v.z, acc4.w += w * v.w;
-          }
-        }
-        accs[sg * L + c4] = acc4;
-        if (c4 == 0) dens[sg] = den;
-      }
-      __syncthreads();
-      if (sg == 0) {
-#pragma unroll
-        for (int k = 1; k < SG; ++k) {
-          const float4 t = accs[k * L + c4];
-          acc4.x += t.x, acc4.y += t.y, acc4.z += t.z, acc4.w += t.w;
-          den += dens[k];
-        }
-        const float inv = den > 0.f ? 1.f / den : 0.f;
-        uint2 pk;
-        pk.x = pack_out<BF16>(acc4.x * inv, acc4.y * inv);
-        pk.y = pack_out<BF16>(acc4.z * inv, acc4.w * inv);
-        *reinterpret_cast<uint2*>(out + tok * stride_o_tok + (i64)hq * stride_o_head + 4 * c4) = pk;
-      }
-      __syncthreads();  // mls / accs reused by the next row
-    }
   }
 }
