@@ -288,11 +288,13 @@ def node_costs(flush: torch.Tensor, bw: float, results: list, before_mod: Any = 
 def decode_costs(flush: torch.Tensor, bw: float, results: list) -> None:
     """Issue 6, T=1: verify_attn_decode against the wgmma split kernel, in a fresh process.
 
-    On an 800K-token pool (the main table's) at 100K b1, 100K b4 and 200K b1, T=1: each kernel
-    with its combine (the shipped path and HH_VERIFY_ATTENTION_DECODE=1), each split kernel alone
-    (``combine=False``), and the decode kernel at other split counts (its warps stream 16-key
-    chunks, so it may want other grids than the 64-key tiles' rule). Two rounds, the second in
-    reverse order, so neither kernel always runs first."""
+    On an 800K-token pool (the main table's), T=1, at 100K b1 / b4 and 50K / 150K / 200K b1: each
+    kernel with its combine (the shipped path and HH_VERIFY_ATTENTION_DECODE=1) and alone
+    (``combine=False``). At 100K b1 also: the decode kernel + an empty node, + a PDL combine, its
+    read-only probes (with / without the Q prologue and the merge epilogue), contiguous per-CTA
+    chunk ranges, ceiling_stream's TMA probe on the same block table, and the %globaltimer stamps
+    of split + combine (diag_combine._trace). Two rounds per size, the second in reverse order,
+    so no variant always runs first."""
     empty = torch.cuda._compile_kernel('extern "C" __global__ void va_empty() {}', "va_empty")
     pool = make_pool(8 * 100_000 + 64, 16, HKV, D)
     for ctx, b in ((100_000, 1), (100_000, 4), (200_000, 1), (50_000, 1), (150_000, 1)):
