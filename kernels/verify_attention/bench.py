@@ -424,7 +424,7 @@ def main() -> None:
     ap.add_argument("--loop-modes", action="store_true",
                     help="default / split / stamped graphs in three host loops, then stop (diag_combine.py)")
     ap.add_argument("--decode-costs", action="store_true",
-                    help="T=1: the decode kernel vs the wgmma split kernel (100K b1/b4, 200K b1), then stop")
+                    help="T=1: the decode kernel vs the wgmma split kernel (50K-200K b1, 100K b4), then stop")
     ap.add_argument("--ceiling-only", action="store_true",
                     help="pure-read ceiling probes at 100K b1 (ceiling_stream.py), then stop")  # fmt: skip
     ap.add_argument("--before-src", default=None, help="the .cu of commit 1344eca, timed as 'before-1344eca'")

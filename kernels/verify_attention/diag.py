@@ -291,8 +291,8 @@ def decode_costs(flush: torch.Tensor, bw: float, results: list) -> None:
     On an 800K-token pool (the main table's), T=1, at 100K b1 / b4 and 50K / 150K / 200K b1: each
     kernel with its combine (the shipped path and HH_VERIFY_ATTENTION_DECODE=1) and alone
     (``combine=False``). At 100K b1 also: the decode kernel + an empty node, + a PDL combine, its
-    read-only probes (with / without the Q prologue and the merge epilogue), contiguous per-CTA
-    chunk ranges, ceiling_stream's TMA probe on the same block table, and the %globaltimer stamps
+    read-only probes (with / without the Q prologue and the merge epilogue), ceiling_stream's TMA
+    probe on the same block table, and the %globaltimer stamps
     of split + combine (diag_combine._trace). Two rounds per size, the second in reverse order,
     so no variant always runs first."""
     empty = torch.cuda._compile_kernel('extern "C" __global__ void va_empty() {}', "va_empty")
@@ -321,14 +321,8 @@ def decode_costs(flush: torch.Tensor, bw: float, results: list) -> None:
 
             variants["probe-tma16x6-split"] = ceiling_stream.launcher(
                 ceiling_stream.Probe("tma", 1, tok=16, stages=6), pool, prob.block_table, ctx)[0]
-            variants["decode-contig"] = prob.cuda_variant(decode=True, decode_contiguous=True)
-            variants["decode-contig-split-only"] = prob.cuda_variant(decode=True, decode_contiguous=True, combine=False)
-            variants["decode-contig-probe-split"] = prob.cuda_variant(decode=True, decode_contiguous=True,
-                                                                      decode_mode=2, combine=False)  # fmt: skip
             variants["decode-probe3-split"] = prob.cuda_variant(decode=True, decode_mode=3, combine=False)
             variants["decode-probe4-split"] = prob.cuda_variant(decode=True, decode_mode=4, combine=False)
-            variants["decode-contig-probe3-split"] = prob.cuda_variant(decode=True, decode_contiguous=True,
-                                                                       decode_mode=3, combine=False)  # fmt: skip
         label = f"ctx={ctx} T=1 b={b}"
         names = list(variants)
         runs: dict[str, list[float]] = {}
@@ -347,8 +341,7 @@ def decode_costs(flush: torch.Tensor, bw: float, results: list) -> None:
             # and of a row-grid col combine (256 dims per CTA) in one graph, 10 cold replays.
             from kernels.verify_attention.diag_combine import _trace
 
-            for name, kw in (("wgmma", {"decode": False}), ("decode", {"decode": True}),
-                             ("decode-contig", {"decode": True, "decode_contiguous": True})):  # fmt: skip
+            for name, kw in (("wgmma", {"decode": False}), ("decode", {"decode": True})):
                 st = _trace(prob, flush, 256, False, **kw)
                 print(f"  {label} stamps {name}+col256: " + ", ".join(f"{k} {v:.2f}" for k, v in st.items()), flush=True)
                 results.append({"case": f"{label} stamps {name}+col256", **st})

@@ -27,7 +27,6 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-
 from typing import Any
 
 import torch

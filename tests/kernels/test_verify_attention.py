@@ -418,7 +418,7 @@ def test_combine_switches(monkeypatch):
 
 # verify_attn_decode (HH_VERIFY_ATTENTION_DECODE=1): query tiles of at most 8 rows. Contexts not a
 # multiple of its 16-key chunk, windows starting inside a chunk, T=2 at G=4 (8 rows, causal within
-# the block), page 1616, one split (the CTA's 4 warps merge and write out), splits without keys,
+# the block), page 1616, one split (each head's warps merge and write out), splits without keys,
 # 150 splits (row combine), mixed lengths.
 DECODE_CASES = [
     pytest.param([129], [1], 24, 4, 256, 16, (-1, -1), None, id="B1-T1-L129-auto"),

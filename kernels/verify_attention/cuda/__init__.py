@@ -104,11 +104,12 @@ def default_sched(n8: int) -> str:
 
 
 def default_decode() -> bool:
-    """HH_VERIFY_ATTENTION_DECODE: auto (default), 1 or 0: verify_attn_decode (warp streams,
-    loads into registers, no barrier in the loop) instead of the wgmma split kernel where a query
-    tile holds at most 8 rows (one n8 tile: T=1 at G=6).
+    """HH_VERIFY_ATTENTION_DECODE: auto (default), 1 or 0: verify_attn_decode (TMA page slices,
+    warp streams, no CTA barrier in the loop) instead of the wgmma split kernel where a query tile
+    holds at most 8 rows (one n8 tile: T=1 at G=6).
 
-    auto = 0 until the H200 says otherwise (NOTES.md)."""
+    auto = 0: on the H200 (session 8) it wins at 100K b4 (1.09-1.11x) and 200K b1 (1.06x) but
+    loses at 100K b1 (0.89-0.91x) and on the drafter's window layers (NOTES.md)."""
     kind = os.environ.get("HH_VERIFY_ATTENTION_DECODE", "auto").lower()
     if kind not in ("auto", "1", "0"):
         raise ValueError(f"HH_VERIFY_ATTENTION_DECODE={kind!r}: auto, 1 or 0")
@@ -488,7 +489,6 @@ def verify_attention_cuda(
     combine_trace: torch.Tensor | None = None,
     decode: bool | None = None,
     decode_mode: int = 0,
-    decode_contiguous: bool = False,
 ) -> torch.Tensor:
     """Launch; the contract is ``kernels.verify_attention.verify_attention``'s (window = W or 0).
 
@@ -504,8 +504,7 @@ def verify_attention_cuda(
     the col kernel's dims per CTA (None: ``default_combine_cols``), ``combine_trace`` its stamps;
     ``workspace``: partials in the per-device buffer (None: ``default_workspace()``); ``decode``:
     verify_attn_decode where a query tile holds at most 8 rows (None: ``default_decode()``),
-    ``decode_mode`` 0, or 2 / 3 / 4 for its read-only probes (timing only: out is not written);
-    ``decode_contiguous``: each CTA copies one contiguous range of chunks (no dynamic batches)."""
+    ``decode_mode`` 0, or 2 / 3 / 4 for its read-only probes (timing only: out is not written)."""
     num_tokens, num_q_heads, d = q.shape
     num_seqs = seqused_k.shape[0]
     hkv = k.shape[2]
@@ -513,8 +512,8 @@ def verify_attention_cuda(
     block_q, n_qt, mt, n8 = _tile(group, max_seqlen_q)
     num_splits_given = num_splits
     keys = max_seqlen_k if window <= 0 else min(max_seqlen_k, window + block_q)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if num_splits is None else 0
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         num_splits = num_splits_for(num_seqs, hkv, n_qt, keys, sms)
     bf16 = "true" if q.dtype == torch.bfloat16 else "false"
     wgmma = (kernel or default_kernel()) == "wgmma"
@@ -527,7 +526,6 @@ def verify_attention_cuda(
            and (default_decode() if decode is None else decode))  # fmt: skip
     if dec:  # same arguments (the first 24), same partials; no counters, no fused merge
         if num_splits_given is None:
-            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
             num_splits = num_splits_decode(num_seqs, keys, sms)
         stages = stages or pick_stages_decode(d, hkv)
         smem = smem_bytes_decode(d, hkv, stages)
@@ -576,7 +574,6 @@ def verify_attention_cuda(
             gs, _counters(q.device, units * (ng + 2))[units:] if gs else out,
         ] if wgmma and not dec else [
             _counters(q.device, num_seqs), trace if trace is not None else out, int(trace is not None),
-            int(decode_contiguous),
         ] if dec else []),
         shared_mem=smem,
     )  # fmt: skip

@@ -1795,8 +1795,10 @@ DI u32 movmatrix_t(u32 a) {
 
 // Shared memory (launcher: smem_bytes_decode): the ring [STAGES][16 slots][HKV records of 2 D + 8
 // bytes] (or the merge scratch if larger), each head's Q^T fragments [HKV][D / 16][32] x 8 bytes,
-// the mbarriers full[STAGES], empty[STAGES]. After the loop the first region holds the consumer
-// warps' (max, sum) [8][8][2] and accumulators [8][8][D] for the merge of each head's warps.
+// the mbarriers full[STAGES], empty[STAGES], the stages' chunk indices [STAGES]. After the loop
+// the first region holds the consumer warps' (max, sum) [8][8][2] and accumulators [8][8][D] for
+// the merge of each head's warps. (A switch copying one contiguous chunk range per CTA, as the
+// probe does, measured no faster: b481143, NOTES.md.)
 // MODE 0: partials for the combine kernel; 2, 3, 4: read-only probes (the consumers wait for and
 // release each chunk without computing; timing only): 2 with the Q prologue and the merge
 // epilogue, 3 with neither, 4 with the Q prologue only. (MODE 1, a merge inside the kernel after
@@ -1806,8 +1808,7 @@ __global__ void __launch_bounds__(288, 1) verify_attn_decode(
     VA_SPLIT_ARGS,
     int* __restrict__ tile_ctr,           // [B] chunk-batch counters, zero between launches
     u64* __restrict__ trace_buf,          // [CTAs][8] %globaltimer stamps when trace_on (diag)
-    int trace_on,
-    int contiguous) {                     // 1: CTA s copies chunks [s n / S, (s + 1) n / S) in order
+    int trace_on) {
   using namespace va;
   // Stamps: 0 CTA start, 1 producer done issuing, 2 consumers done, 3 partials written, 4 SM id,
   // 5 chunks the CTA copied.
@@ -1895,10 +1896,6 @@ __global__ void __launch_bounds__(288, 1) verify_attn_decode(
     };
     int* const ctr = tile_ctr + b;
     const int first_dyn = STAGES * num_splits;
-    if (contiguous) {  // one contiguous range per CTA, no counter (as ceiling_stream's TMA probe)
-      const int c0 = (int)((i64)split * n_chunks / num_splits), c1 = (int)((i64)(split + 1) * n_chunks / num_splits);
-      for (int cb = c0; cb < c1; cb += 32) post_batch(cb, 1, min(32, c1 - cb));
-    } else {
     const int full_grabs = max(n_chunks - first_dyn, 0) / 4;  // grabs of 4 valid chunks
     int g = 0;
     if (lane == 0) g = atomicAdd(ctr, 1);  // in flight while the static chunks are posted
@@ -1916,7 +1913,6 @@ __global__ void __launch_bounds__(288, 1) verify_attn_decode(
         break;
       }
       g = shfl_idx((u32)g2, 0);
-    }
     }
     if (lane == 0)
       for (int i = 0; i < SUB; ++i) post(-1, 0);
