@@ -107,7 +107,14 @@ CANDIDATES["c12"] = (4, _plus(CANDIDATES["c5"][1], {"POLL_MAX_P": 256}))
 # H200 call 5 of session 6 (rule fixed before it, NOTES.md; two bench passes, candidates timed after
 # and then before ours): c12 / c5 worst row 1.019, geometric mean 0.955 over the 32 rows, 256K B8
 # n5-5 6.22-6.25 / 6.39-6.45 µs vs 6.37-6.42 / 6.70-6.74: c12 becomes DEFAULT.
-DEFAULT = "c12"
+# c19 (session 9): c12 + WORDS (triton._fold_words) where a request takes tickets (> 256 programs: 100K
+# B1 of the bench): the draft rides with the max in the request's line and the ticket counts matches.
+CANDIDATES["c19"] = (4, _plus(CANDIDATES["c12"][1], {"WORDS": 1}))
+# H200 calls 1-2 of session 9 (rule fixed before them, NOTES.md; three bench passes, the candidate
+# timed after and before ours): 100K B1 n6-12 quote 3.01 / 3.20 / 3.02 µs vs c12 3.24 / 3.17 / 3.31,
+# vocab 8 2.75 / 2.72 / 2.75 vs 3.06 / 3.06 / 3.09; every other row 0.98-1.03x (the launcher runs
+# c12's code there): c19 becomes DEFAULT.
+DEFAULT = "c19"
 
 
 def _tier(work: int) -> int:

@@ -17,8 +17,10 @@ histories: almost all) stop after one compare per position.
 Programs fold their tile maxima into a per-request int32 with a relaxed ``atomic_max``; the last
 program of a request (an acq_rel ``atomic_add`` ticket, which also orders the max) reads the result,
 resets the two words and gathers the draft, so one graph-capturable launch does the whole lookup.
-POLL=1 (the default up to 256 programs per request, config.c12) folds without a ticket: each program
-but the last writes its maximum into its own slot and the last polls the slots (_poll_slots).
+POLL=1 (the default up to 256 programs per request, config.c12 / c19) folds without a ticket: each
+program but the last writes its maximum into its own slot and the last polls the slots (_poll_slots).
+WORDS=1 (the default with tickets, config.c19) folds the draft with the max and counts the matches
+in the ticket, so the last program reads at most one line after its ticket (_fold_words).
 The workspace is the caller's int64 [workspace_numel(B)] zeros, used as int32 words (SPREAD: one
 128-byte line per request; then the POLL slots).  Past the program cap a program loops over
 further tiles (loaded after the length is known); COVER compiles that loop out where the grid
@@ -231,6 +233,7 @@ def lookup_scan_kernel(
     FAST: tl.constexpr = 0, FOLD: tl.constexpr = 1, SUFFIX_AT_S: tl.constexpr = 0,
     SPREAD: tl.constexpr = 0, COVER: tl.constexpr = 0, EDGE_ONLY: tl.constexpr = 0, TICKETS: tl.constexpr = 0,
     HIT: tl.constexpr = 0, STAMPS: tl.constexpr = 0, POLL: tl.constexpr = 0, PP: tl.constexpr = 1,
+    WORDS: tl.constexpr = 0,
 ):
     BLOCK: tl.constexpr = ROWS * 4 * NV
     i_p, i_b = tl.program_id(0), tl.program_id(1)
@@ -311,7 +314,9 @@ def lookup_scan_kernel(
             # the end of every release sequence, so it needs no fence of its own: the last
             # program of a quoting history pays no MEMBAR (FENCE 1's finisher pays one, ~0.3 µs
             # by FENCE 0's measurement).
-            if best > 0:
+            if WORDS:
+                ticket = _fold_words(w_max, w_t1, best, p_h, L, K_DRAFT, KP, POS_BITS)
+            elif best > 0:
                 tl.atomic_max(w_max, best, sem="relaxed")
                 ticket = tl.atomic_add(w_t1, 1, sem="acq_rel")
             else:
@@ -351,7 +356,14 @@ def lookup_scan_kernel(
             n_fin = tl.minimum(n_act, TICKETS)
         if STAMPS:
             tl.store(p_st + 3, _stamp(ticket))
-        if ticket == n_fin - 1:
+        if WORDS:
+            tl.static_assert((FENCE == 4) & (SPREAD == 1) & (TICKETS == 0) & (KP <= 8), "WORDS: FENCE 4, SPREAD, k <= 8")
+            if (ticket & 0xFFFF) == n_fin - 1:
+                # matches before this program's ticket (bits 16-31 of what it read) and its own
+                n_match = (ticket >> 16) + (best > 0).to(tl.int32)
+                _finish_words(w_max, w_tk, n_match, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS,
+                              STAMPS)
+        elif ticket == n_fin - 1:
             # Last program of the request: every max is visible (acquire); plain loads/stores
             # suffice, no other program touches the two words again in this launch.
             if FENCE == 3:
@@ -366,6 +378,60 @@ def lookup_scan_kernel(
             tl.store(w_max, 0)
             tl.store(w_tk, 0)
             _finish(p_h, best, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS, STAMPS)
+
+
+@triton.jit
+def _fold_words(w_max, w_tk, best, p_h, L, K_DRAFT: tl.constexpr, KP: tl.constexpr, POS_BITS: tl.constexpr):
+    """WORDS=1's fold (FENCE 4's fences): the draft rides with the max and the ticket counts the
+    matches, so the last arrival reads at most one line after its ticket (c12 reads the max word,
+    then the draft from the history: two dependent L2 trips) and nothing where no program matched.
+    Word k < K_DRAFT <= 8 of the request's line (int64, bytes 8k..8k+7; the ticket is at byte 64)
+    is the max over programs with a match of score << 32 | draft token k: scores are unique (they
+    hold the position), so it ends as the winner's token k, and word 0 (every match has >= 1 token
+    after it) holds the max in its high half.  A program with a match gathers its own draft (the
+    tokens after its best end: its tile's lines or the next tile's), folds it with relaxed 64-bit
+    REDs and releases them with its ticket, which adds 1 + (1 << 16): bits 0-15 count arrivals,
+    16-31 matches (P <= 65535).  The others only acquire.  The word is the int32 workspace pointer
+    cast, not a second argument (c9 / c14's second pointer cost ~0.15 µs, NOTES.md)."""
+    if best > 0:
+        o_k = tl.arange(0, KP)
+        own = best & ((1 << POS_BITS) - 1)  # e + 1 of this program's best end position
+        n_own = tl.minimum(L - own, K_DRAFT)
+        d_own = tl.load(p_h + own + o_k, mask=o_k < n_own, other=0).to(tl.int64)
+        w64 = w_max.to(tl.pointer_type(tl.int64))
+        tl.atomic_max(w64 + o_k, (best.to(tl.int64) << 32) | (d_own & 0xFFFFFFFF), mask=o_k < n_own,
+                      sem="relaxed")
+        ticket = tl.atomic_add(w_tk, 1 + (1 << 16), sem="acq_rel")
+    else:
+        ticket = tl.atomic_add(w_tk, 1, sem="acquire")
+    return ticket
+
+
+@triton.jit
+def _finish_words(w_max, w_tk, n_match, L, s, drafts, num_valid, i_b, p_st, K_DRAFT: tl.constexpr,
+                  KP: tl.constexpr, POS_BITS: tl.constexpr, STAMPS: tl.constexpr):
+    """The last arrival of a WORDS fold: with no match it stores the fallback proposal (the last
+    token, num_valid 0) without a read; else it reads the K_DRAFT words (one L2 trip; plain loads:
+    its acquire ticket ordered every release before them) and zeroes them for the next launch."""
+    o_d = tl.arange(0, KP)
+    best = n_match * 0
+    d_tok = tl.zeros([KP], dtype=tl.int64)
+    if n_match > 0:
+        w64 = w_max.to(tl.pointer_type(tl.int64))
+        words = tl.load(w64 + o_d, mask=o_d < K_DRAFT, other=0)  # [KP] score << 32 | token
+        best = tl.max(words >> 32, axis=0).to(tl.int32)
+        d_tok = words & 0xFFFFFFFF
+        tl.store(w64 + o_d, tl.zeros([KP], dtype=tl.int64), mask=o_d < K_DRAFT)
+    if STAMPS:
+        tl.store(p_st + 4, _stamp(best))
+    tl.store(w_tk, 0)
+    start = best & ((1 << POS_BITS) - 1)
+    nv = tl.where(best > 0, tl.minimum(L - start, K_DRAFT), 0)
+    out = tl.where(o_d < nv, d_tok, s[0]).to(tl.int64)
+    if STAMPS:
+        tl.store(p_st + 5, _stamp(tl.sum(out, axis=0)))
+    tl.store(drafts + i_b * K_DRAFT + o_d, out, mask=o_d < K_DRAFT)
+    tl.store(num_valid + i_b, nv.to(tl.int32))
 
 
 @triton.jit
@@ -460,6 +526,8 @@ def lookup_scan_fwd(
     # COVER=1 asks for the loop-free kernel; it is only right when the grid covers every end
     # position of the buffer (seq_lens <= S): n_tiles = cdiv(L - 1, BLOCK) <= P.
     kw["COVER"] = int(bool(kw.get("COVER")) and P * block >= S - 1)
+    if kw.get("WORDS") and (kw.get("POLL") or num_draft > 8):  # WORDS folds the ticket path, k <= 8 words
+        kw["WORDS"] = 0
     maxnreg = kw.pop("MAXNREG", None)
     LAST_KERNEL[0] = lookup_scan_kernel[(P, B)](
         token_ids, token_ids.stride(0), req_indices if req_indices is not None else seq_lens, seq_lens,

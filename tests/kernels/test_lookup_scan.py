@@ -120,14 +120,16 @@ def test_req_indices_and_workspace_reuse():
     ((1, 1, 1, 64, 4, 0), 3, {"SPREAD": 1, "FAST": 2, "HIT": 3}),
     ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "COVER": 1, "FAST": 2, "HIT": 2}),
     ((1, 1, 1, 64, 4, 0), 3, {"POLL": 1}), ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "COVER": 1, "POLL": 1}),
+    ((1, 1, 1, 64, 4, 0), 3, {"SPREAD": 1, "WORDS": 1}), ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "COVER": 1, "WORDS": 1}),
 ], ids=["loop", "idle-nofence-order", "G2", "idle-acquire-load", "idle-acquire-tickets", "spread-cover-edge1",
         "spread-fast-loop", "two-level-tickets", "hit-xor-min", "fast2-hit-prefix-loop", "fast2-no-hit-idle",
-        "poll-loop", "poll-idle"])
+        "poll-loop", "poll-idle", "words-loop", "words-idle"])
 def test_configs_block_loop_and_idle_programs(config, programs, opts):
     """Tile configs (NV, G, warps, cap, fence, order): P=3 loops over tiles past the program cap; P=10
     leaves programs with no tile (no ticket; the finisher counts only the active ones) on the short
     rows, with the fence-free fold and the barrier-ordered loads; G=2 gives each thread two rows; FENCE
-    3/4 release only from programs that wrote a max; POLL: per-program slots and a polling last program.  Switches: SPREAD (a workspace line per
+    3/4 release only from programs that wrote a max; POLL: per-program slots and a polling last program;
+    WORDS: the draft folded with the max, matches counted in the ticket.  Switches: SPREAD (a workspace line per
     request), COVER (loop-free kernel: the 6 x 256 grid covers the buffer; ignored where P=3 does
     not), EDGE_ONLY (one scoring copy), FAST (row-local keys) under a register cap, TICKETS (two-level
     tickets: 3 group words; the short rows have fewer active programs than groups); HIT 1 / 3 / 2
@@ -143,6 +145,45 @@ def test_configs_block_loop_and_idle_programs(config, programs, opts):
                torch.full((4,), -7, dtype=torch.int32, device=DEVICE))
         d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 5, None, ws, out, programs, config, opts)
         dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 5)
+        assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
+        assert not ws.any()
+
+
+@pytest.mark.parametrize("k", [5, 8, 9], ids=["k5", "k8", "k9-no-words"])
+@pytest.mark.parametrize("programs", [10, 3], ids=["idle", "loop"])
+def test_words_fold_paths(programs, k):
+    """WORDS's cases per request in one launch: no program with a match (the finisher reads
+    nothing), one, two in different tiles (the max of the folded words), the winner in the last
+    program's tile (the interpreter's last arrival: its own words), the winner 3 tokens before the
+    end (fewer draft tokens than words: the words past them hold the earlier copy's tokens and must
+    not be used), the only match in the last program's tile (its own, not in the ticket it read), across tiles and the loop past the program cap; k = 8 fills the line's eight words,
+    k = 9 runs the launcher's fallback to the plain max word."""
+    from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
+
+    S = 1500
+    base = torch.arange(S, dtype=torch.int32) + 100  # distinct tokens: no repeat anywhere
+    suffix = base[-9:].clone()
+    one = base.clone()
+    one[400:409] = suffix  # one earlier copy of the last 9 tokens
+    two = one.clone()
+    two[900:909] = suffix  # and a second, in another tile
+    late = two.clone()
+    late[1300:1309] = suffix  # the winner in the last program's tile
+    tail = base.clone()  # a period-3 run at the end and an earlier copy of it: the winner ends
+    tail[400:415] = tail[-15:] = torch.tensor([7, 8, 9] * 5, dtype=torch.int32)  # at L-4 (3 tokens)
+    solo = base.clone()
+    solo[1300:1309] = suffix  # the only match, in the last program's tile (not yet counted in its ticket)
+    tok = torch.stack([base, one, two, two, late, tail, solo])
+    lens = torch.tensor([S, S, S, 1000, S, S, S], dtype=torch.int32)  # row 3: only the first copy is in range
+    ws = torch.zeros(workspace_numel(7), dtype=torch.int64, device=DEVICE)
+    for min_n, max_n in [(2, 9), (4, 4)]:
+        out = (torch.full((7, k), -7, dtype=torch.int64, device=DEVICE),
+               torch.full((7,), -7, dtype=torch.int32, device=DEVICE))
+        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, k, None, ws, out, programs,
+                               (2, 1, 1, 64, 4, 0), {"SPREAD": 1, "WORDS": 1})
+        dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, k)
+        assert nr.tolist()[:3] == [0, k, k] and dr[4, :5].tolist() == base[1309:1314].tolist()
+        assert nr[5] == 3 and dr[5, :3].tolist() == [7, 8, 9] and nr[6] == k
         assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
         assert not ws.any()
 
@@ -169,15 +210,16 @@ def test_rule_tiers():
     assert tier_candidate("c4", 3, 5)[0][:3] == (1, 4, 4) and tier_candidate("c4", 3, 12)[0][:4] == CONFIG_LARGE[:4]
 
 
-@pytest.mark.parametrize("cand", ["c12", "c5", "c3"])
+@pytest.mark.parametrize("cand", ["c19", "c12", "c5", "c3"])
 @pytest.mark.parametrize("tier", range(4), ids=["w1-128", "w1-256", "w4-1024-order", "w4-2048"])
 def test_rule_configs(tier, cand):
     """Each config the rule can pick, with the launcher's own grid (P from the cap): mixed lengths,
     a row shorter than the suffix, vocab-4 rows (every tile passes the hit test); with the kernel
-    switches of three candidate launcher defaults (c12, the default: c5 with POLL, which these few
-    programs per request always take; c5: FENCE 4 tickets, SPREAD, COVER, FAST 2 + HIT 3 on the
-    four-warp tiers, the 4-token-row tile at max_n <= 5 on the large one; c3: TICKETS, EDGE_ONLY /
-    FAST 1).  FENCE 1 runs in test_configs_block_loop_and_idle_programs."""
+    switches of candidate launcher defaults (c19, the default: c12 + WORDS on the ticket path, which
+    these few programs per request never take; c12: c5 with POLL, which they always take; c5: FENCE
+    4 tickets, SPREAD, COVER, FAST 2 + HIT 3 on the four-warp tiers, the 4-token-row tile at max_n
+    <= 5 on the large one; c3: TICKETS, EDGE_ONLY / FAST 1).  FENCE 1 runs in
+    test_configs_block_loop_and_idle_programs; WORDS in test_words_fold_paths."""
     from kernels.lookup_scan.triton import block_tokens, lookup_scan_fwd, tier_candidate, workspace_numel
 
     for min_n, max_n in [(6, 12), (5, 5)]:
@@ -195,7 +237,7 @@ def test_rule_configs(tier, cand):
 
 
 @pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
-@pytest.mark.parametrize("cand", ["default", "c1", "c3", "c4", "c10", "c12"])
+@pytest.mark.parametrize("cand", ["default", "c1", "c3", "c4", "c10", "c12", "c19"])
 @pytest.mark.parametrize("S", [8192, 100_000, 262_144])
 @pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
 def test_real_lengths_gpu(S, min_n, max_n, cand):
@@ -216,6 +258,35 @@ def test_real_lengths_gpu(S, min_n, max_n, cand):
         d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, config, opts)
         assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr), cand
         assert not ws.any()
+
+
+@pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
+@pytest.mark.parametrize("S", [100_000, 262_144])
+@pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
+def test_words_real_lengths_gpu(S, min_n, max_n):
+    """WORDS (c19) at batch 1 on the ticket path with 391 / 1,024 programs (c12's 100K B1 tile), the
+    programs racing for real: a quoting history, vocab-8 noise (no match or many), distinct tokens
+    with one and with two earlier copies of the suffix; twice each (the line left zero)."""
+    from kernels.lookup_scan.triton import candidate, lookup_scan_fwd, workspace_numel
+
+    config, opts = candidate("c19", 1, 100_000, max_n)
+    opts = {**opts, "POLL_MAX_P": 0}
+    base = torch.randperm(2_000_000, generator=torch.Generator().manual_seed(S))[:S].to(torch.int32)
+    one = base.clone()
+    one[S // 3:S // 3 + 12] = base[-12:]
+    two = one.clone()
+    two[S // 2:S // 2 + 12] = base[-12:]
+    rows = [repetitive(1, S, 150_000, seed=S)[0], torch.randint(0, 8, (S,), dtype=torch.int32), base, one, two]
+    ws = torch.zeros(workspace_numel(1), dtype=torch.int64, device=DEVICE)
+    for row in rows:
+        tok, lens = row[None], torch.tensor([S], dtype=torch.int32)
+        dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 7)
+        for _ in range(2):
+            out = (torch.full((1, 7), -7, dtype=torch.int64, device=DEVICE),
+                   torch.full((1,), -7, dtype=torch.int32, device=DEVICE))
+            d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, config, opts)
+            assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
+            assert not ws.any()
 
 
 @pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
