@@ -141,6 +141,34 @@ def test_real_shapes(seq_lens, q_lens, hq, hkv, d, page, window, splits):
     run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits)
 
 
+@gpu_only
+def test_real_shapes_decode_rule(monkeypatch):
+    """The launcher's decode rule at plain decode (T=1: 6 rows per KV head): verify_attn_decode from
+    DECODE_MIN_KEYS keys of the longest request, the wgmma kernel below (and everywhere with
+    HH_VERIFY_ATTENTION_DECODE=0); each matches the reference at 100K."""
+    use_cuda_kernel(monkeypatch)
+    from kernels.verify_attention import cuda as va_cuda
+
+    calls = []
+    real = va_cuda._compiled
+
+    def spy(name, smem, source=None):
+        calls.append(name)
+        return real(name, smem, source)
+
+    monkeypatch.setattr(va_cuda, "_compiled", spy)
+    for lens, want in (([va_cuda.DECODE_MIN_KEYS, 700], "verify_attn_decode"),
+                       ([va_cuda.DECODE_MIN_KEYS - 1, 700], "verify_attn_split_wg"),
+                       ([100_000], "verify_attn_decode")):
+        calls.clear()
+        run_case(lens, [1] * len(lens), 24, 4, 256, 16, torch.bfloat16, (-1, -1), None)
+        assert calls[0].startswith(want + "<"), (lens, calls)
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_DECODE", "0")
+    calls.clear()
+    run_case([100_000], [1], 24, 4, 256, 16, torch.bfloat16, (-1, -1), None)
+    assert calls[0].startswith("verify_attn_split_wg<"), calls
+
+
 
 # The CUDA kernel (sm_90, D in {128, 256}) on odd shapes: contexts not a multiple of the page or
 # of its 64-key tile, T = 1 / 9 / 16 / 40 (several query tiles), mixed lengths, page 1616,
@@ -469,17 +497,20 @@ def test_cuda_decode_graph_replay_and_selection(monkeypatch):
 
 
 def test_decode_switch(monkeypatch):
-    """HH_VERIFY_ATTENTION_DECODE parses or refuses (no GPU needed); its CTA's shared memory fits
-    an SM, its split rule fills the GPU once."""
+    """HH_VERIFY_ATTENTION_DECODE parses or refuses (no GPU needed), auto by the key span; its
+    CTA's shared memory fits an SM, its split rule fills the GPU once."""
     from kernels.verify_attention import cuda as vc
 
+    monkeypatch.delenv("HH_VERIFY_ATTENTION_DECODE", raising=False)
+    assert vc.default_decode(vc.DECODE_MIN_KEYS) and vc.default_decode(100_000)
+    assert not vc.default_decode(vc.DECODE_MIN_KEYS - 1) and not vc.default_decode(2048 + 8)
     monkeypatch.setenv("HH_VERIFY_ATTENTION_DECODE", "1")
-    assert vc.default_decode()
+    assert vc.default_decode(100) and vc.default_decode(100_000)
     monkeypatch.setenv("HH_VERIFY_ATTENTION_DECODE", "0")
-    assert not vc.default_decode()
+    assert not vc.default_decode(100_000)
     monkeypatch.setenv("HH_VERIFY_ATTENTION_DECODE", "yes")
     with pytest.raises(ValueError):
-        vc.default_decode()
+        vc.default_decode(100_000)
     assert vc.pick_stages_decode(256, 4) == 6 and vc.pick_stages_decode(128, 8) == 6
     assert vc.smem_bytes_decode(256, 4, 6) == 6 * 33_280 + 4 * 4096 + 96 + 24  # ring, Q^T, barriers, indices
     assert vc.num_splits_decode(1, 100_000, 132) == 132 and vc.num_splits_decode(4, 100_000, 132) == 33

@@ -5,9 +5,9 @@ machine; the kernel source includes no header: sm90_bulk.cuh's helpers are put i
 for sm_90a (wgmma is arch-specific). Two split kernels: ``wgmma`` (verify_attn_split_wg, the
 default) and ``mma`` (verify_attn_split, mma.sync: the kernel of commit ea506d7, kept as the
 baseline and a fallback); ``HH_VERIFY_ATTENTION_MMA=mma|wgmma`` picks one. A third,
-verify_attn_decode (TMA page slices, warp streams; at most 8 query rows per tile), is opt-in:
-``HH_VERIFY_ATTENTION_DECODE=1`` (faster from 150K keys or 4 requests, slower at 100K b1;
-NOTES.md). Each (head size, query tile, ring depth, dtype)
+verify_attn_decode (TMA page slices, warp streams; at most 8 query rows per tile), runs where a
+tile holds at most 8 rows and the longest request spans DECODE_MIN_KEYS keys or more
+(``HH_VERIFY_ATTENTION_DECODE=1`` / ``0`` force it on / off; NOTES.md). Each (head size, query tile, ring depth, dtype)
 variant is compiled once per process (about 4 s), on its first call: call once eagerly before a
 CUDA-graph capture (vLLM's warm-up does). Launches go to torch's current stream, so they are
 captured like any other kernel.
@@ -103,17 +103,23 @@ def default_sched(n8: int) -> str:
     return ("dyn" if n8 == 1 else "static") if kind == "auto" else kind
 
 
-def default_decode() -> bool:
+# verify_attn_decode's auto rule: a request's key span from which it beats the wgmma kernel.
+DECODE_MIN_KEYS = 32_768
+
+
+def default_decode(keys: int) -> bool:
     """HH_VERIFY_ATTENTION_DECODE: auto (default), 1 or 0: verify_attn_decode (TMA page slices,
     warp streams, no CTA barrier in the loop) instead of the wgmma split kernel where a query tile
     holds at most 8 rows (one n8 tile: T=1 at G=6).
 
-    auto = 0: on the H200 (session 8) it wins at 100K b4 (1.09-1.11x) and 200K b1 (1.06x) but
-    loses at 100K b1 (0.89-0.91x) and on the drafter's window layers (NOTES.md)."""
+    auto = from DECODE_MIN_KEYS keys (the longest request's span, window-limited): on the H200
+    (session 9, fresh process, T=1) decode / wgmma is 1.08x at 100K b1, 1.17x at 100K b4, 1.12x
+    at 200K b1, 1.04x at 50K, 1.01x at 32K, but 0.92x at 8K and 0.78-0.92x on the drafter's
+    2,048-key window layers: one CTA per SM over few keys pays its fixed costs (NOTES.md)."""
     kind = os.environ.get("HH_VERIFY_ATTENTION_DECODE", "auto").lower()
     if kind not in ("auto", "1", "0"):
         raise ValueError(f"HH_VERIFY_ATTENTION_DECODE={kind!r}: auto, 1 or 0")
-    return kind == "1"
+    return keys >= DECODE_MIN_KEYS if kind == "auto" else kind == "1"
 
 
 def default_pdl() -> bool:
@@ -503,7 +509,7 @@ def verify_attention_cuda(
     "row" / "col" (None: ``default_combine()``) where >= 32 splits are merged, ``combine_cols``
     the col kernel's dims per CTA (None: ``default_combine_cols``), ``combine_trace`` its stamps;
     ``workspace``: partials in the per-device buffer (None: ``default_workspace()``); ``decode``:
-    verify_attn_decode where a query tile holds at most 8 rows (None: ``default_decode()``),
+    verify_attn_decode where a query tile holds at most 8 rows (None: ``default_decode(keys)``),
     ``decode_mode`` 0, or 2 / 3 / 4 for its read-only probes (timing only: out is not written)."""
     num_tokens, num_q_heads, d = q.shape
     num_seqs = seqused_k.shape[0]
@@ -523,7 +529,7 @@ def verify_attention_cuda(
     # The decode kernel's 16-key chunks are whole pages' slices (page sizes that are multiples of
     # 16), and its 8 warps stream every KV head (1, 2, 4 or 8 of them).
     dec = (wgmma and n8 == 1 and k.shape[1] % 16 == 0 and DECODE_WARPS % hkv == 0
-           and (default_decode() if decode is None else decode))  # fmt: skip
+           and (default_decode(keys) if decode is None else decode))  # fmt: skip
     if dec:  # same arguments (the first 24), same partials; no counters, no fused merge
         if num_splits_given is None:
             num_splits = num_splits_decode(num_seqs, keys, sms)

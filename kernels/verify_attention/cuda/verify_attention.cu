@@ -1765,7 +1765,8 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
 // one CTA) took 97.6 / 63.2 / 70.0 µs for the split kernel (H200, NOTES.md).
 // * Chunks: absolute 16-key blocks (page sizes are multiples of 16, so a chunk is one page's
 //   slice); the CTA of split s takes chunks s + j num_splits (j < STAGES), then batches of 4 from
-//   a per-request counter, so all CTAs sweep the context together and end together. Keys past
+//   a per-request counter and single chunks at the tail, so all CTAs sweep the context together
+//   and end together. Keys past
 //   k_hi or before k_lo in a chunk are copied (their page exists) and masked.
 // * S^T = K Q^T with mma.sync m16n8k16 (keys g, g + 8 on M, query rows on N = 8): in k-step j
 //   thread (g, t) reads the 4 bytes at 16 j + 4 t of keys g and g + 8, its A fragment once the
@@ -1862,9 +1863,9 @@ __global__ void __launch_bounds__(288, 1) verify_attn_decode(
 
   if (warp == NWD) {
     // ---- producer. Chunks: first split + j num_splits (j < STAGES, no atomic before the first
-    // copies), then batches of 4 consecutive chunks from the request's counter (dynamic, as the
-    // wgmma kernel's DYN tiles: CTAs that stream faster take more, so all end within about one
-    // batch; with static chunks the CTAs' ends spread over ~10 µs at 100K b1, H200). The lanes
+    // copies), then batches of 4 consecutive chunks (single ones at the tail, below) from the
+    // request's counter (dynamic, as the wgmma kernel's DYN tiles: CTAs that stream faster take
+    // more; with static chunks the CTAs' ends spread over ~10 µs at 100K b1, H200). The lanes
     // look a batch's page slices up at once; lane 0 posts each chunk's index and copy once its
     // stage's previous chunk is consumed, then SUB sentinels (-1) end the consumers' loops.
     const int* const bt_row = block_table + (i64)b * stride_bt;
@@ -1894,26 +1895,28 @@ __global__ void __launch_bounds__(288, 1) verify_attn_decode(
         if (lane == 0 && c0 + i * step < n_chunks) post(c0 + i * step, sk);
       }
     };
+    // Grabs 0 .. n4 - 1 take 4 chunks each, the next ones single chunks (the last ~2 per CTA):
+    // a batch of 4 is ~4 µs of one SM's share of the stream at 100K b1, so with batches only the
+    // CTAs' ends spread over ~4 µs (H200 stamps, NOTES.md); single chunks at the tail end them
+    // within about one chunk. Every grab below `ok` is whole; each CTA ends on one failing grab.
     int* const ctr = tile_ctr + b;
     const int first_dyn = STAGES * num_splits;
-    const int full_grabs = max(n_chunks - first_dyn, 0) / 4;  // grabs of 4 valid chunks
+    const int n_dyn = max(n_chunks - first_dyn, 0);
+    const int n4 = max(n_dyn - 2 * num_splits, 0) / 4;  // batches of 4
+    const int ok = n4 + (n_dyn - 4 * n4);                // successful grabs: batches, then singles
     int g = 0;
     if (lane == 0) g = atomicAdd(ctr, 1);  // in flight while the static chunks are posted
     post_batch(split, num_splits, STAGES);
     g = shfl_idx((u32)g, 0);
-    for (;;) {
-      const int base = first_dyn + 4 * g;
-      const bool last = base + 4 > n_chunks;  // this CTA's one grab past the unit's chunks
+    while (g < ok) {
       int g2 = 0;
-      if (!last && lane == 0) g2 = atomicAdd(ctr, 1);  // the next batch, in flight meanwhile
-      post_batch(base, 1, 4);
-      if (last) {
-        // The unit's last failing grab resets the counter for the next launch (graph replay).
-        if (lane == 0 && g == full_grabs + num_splits - 1) atomicExch(ctr, 0);
-        break;
-      }
+      if (lane == 0) g2 = atomicAdd(ctr, 1);  // the next grab, in flight meanwhile
+      if (g < n4) post_batch(first_dyn + 4 * g, 1, 4);
+      else post_batch(first_dyn + 4 * n4 + (g - n4), 1, 1);
       g = shfl_idx((u32)g2, 0);
     }
+    // The unit's last failing grab resets the counter for the next launch (graph replay).
+    if (lane == 0 && g == ok + num_splits - 1) atomicExch(ctr, 0);
     if (lane == 0)
       for (int i = 0; i < SUB; ++i) post(-1, 0);
     if (tr && lane == 0) tr[1] = globaltimer(), tr[5] = k;
@@ -1921,22 +1924,32 @@ __global__ void __launch_bounds__(288, 1) verify_attn_decode(
   // ---- consumers: Q^T fragments -> shared memory (fp16, pre-scaled, dims permuted as the K
   // reads are), then a barrier of the 8 consumer warps only (named barrier 1).
   if (MODE != 3) {  // MODE 3 (probe): no Q
+    // Every load first, then the conversions: one memory round trip per thread, not QE dependent
+    // ones (the loop's stores kept the compiler from hoisting them; each trip queues behind the
+    // producer's first ring of bulk copies).
+    constexpr int QE = HKV * KS * 32 / (NWD * 32);
+    static_assert(HKV * KS * 32 % (NWD * 32) == 0, "Q fragments per consumer thread");
     const float qs = (float)qk_scale_d;
-    for (int e = tid; e < HKV * KS * 32; e += NWD * 32) {
+    uint2 raw[QE];
+#pragma unroll
+    for (int i = 0; i < QE; ++i) {
+      const int e = tid + i * NWD * 32;
       const int hq0 = (e / (KS * 32)) * G, j = (e >> 5) % KS, rg = (e & 31) >> 2, rt = e & 3;
-      const int d0 = 16 * j + 4 * rt;
-      uint2 fr = make_uint2(0u, 0u);
+      raw[i] = make_uint2(0u, 0u);
       if (rg < rows) {
         const int tk = rg / G, grp = rg - tk * G;
-        const uint2 raw = *reinterpret_cast<const uint2*>(
-            q + (i64)(q_start + q_lo + tk) * stride_q_tok + (i64)(hq0 + grp) * stride_q_head + d0);
-        fr.x = pack_f16(to_f32<BF16>((unsigned short)(raw.x & 0xffffu)) * qs,
-                        to_f32<BF16>((unsigned short)(raw.x >> 16)) * qs);
-        fr.y = pack_f16(to_f32<BF16>((unsigned short)(raw.y & 0xffffu)) * qs,
-                        to_f32<BF16>((unsigned short)(raw.y >> 16)) * qs);
+        raw[i] = *reinterpret_cast<const uint2*>(
+            q + (i64)(q_start + q_lo + tk) * stride_q_tok + (i64)(hq0 + grp) * stride_q_head + 16 * j + 4 * rt);
       }
-      sts32(qf_all + 8 * e, fr.x);
-      sts32(qf_all + 8 * e + 4, fr.y);
+    }
+#pragma unroll
+    for (int i = 0; i < QE; ++i) {
+      const int e = tid + i * NWD * 32;
+      // rows past `rows` loaded zeros: they stay zero (0 x qs)
+      sts32(qf_all + 8 * e, pack_f16(to_f32<BF16>((unsigned short)(raw[i].x & 0xffffu)) * qs,
+                                     to_f32<BF16>((unsigned short)(raw[i].x >> 16)) * qs));
+      sts32(qf_all + 8 * e + 4, pack_f16(to_f32<BF16>((unsigned short)(raw[i].y & 0xffffu)) * qs,
+                                         to_f32<BF16>((unsigned short)(raw[i].y >> 16)) * qs));
     }
   }
   asm volatile("bar.sync 1, %0;\n" ::"n"(NWD * 32) : "memory");
