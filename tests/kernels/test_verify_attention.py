@@ -424,9 +424,23 @@ def test_default_split_rule(monkeypatch):
 
 
 def test_combine_switches(monkeypatch):
-    """HH_VERIFY_ATTENTION_COMBINE / _COMBINE_COLS / _WORKSPACE parse or refuse (no GPU needed)."""
+    """HH_VERIFY_ATTENTION_COMBINE / _COMBINE_COLS / _WORKSPACE / _PDL parse or refuse (no GPU
+    needed); auto: col + PDL after the decode kernel, row without PDL after the others."""
     from kernels.verify_attention import cuda as vc
 
+    for var in ("COMBINE", "PDL"):
+        monkeypatch.delenv(f"HH_VERIFY_ATTENTION_{var}", raising=False)
+    assert vc.default_combine() == "row" and vc.default_combine(decode=True) == "col"
+    assert not vc.default_pdl() and vc.default_pdl(decode=True)
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_PDL", "0")
+    assert not vc.default_pdl(decode=True)
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_PDL", "1")
+    assert vc.default_pdl()
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_PDL", "on")
+    with pytest.raises(ValueError):
+        vc.default_pdl()
+    monkeypatch.setenv("HH_VERIFY_ATTENTION_COMBINE", "row")
+    assert vc.default_combine(decode=True) == "row"
     monkeypatch.setenv("HH_VERIFY_ATTENTION_COMBINE", "col")
     assert vc.default_combine() == "col" and vc.default_combine_cols(256) == 64
     monkeypatch.setenv("HH_VERIFY_ATTENTION_COMBINE_COLS", "32")

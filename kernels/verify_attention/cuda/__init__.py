@@ -122,9 +122,19 @@ def default_decode(keys: int) -> bool:
     return keys >= DECODE_MIN_KEYS if kind == "auto" else kind == "1"
 
 
-def default_pdl() -> bool:
-    """HH_VERIFY_ATTENTION_PDL=1: launch the combine with programmatic dependent launch."""
-    return os.environ.get("HH_VERIFY_ATTENTION_PDL", "0") == "1"
+def default_pdl(decode: bool = False) -> bool:
+    """HH_VERIFY_ATTENTION_PDL: auto (default), 1 or 0: launch the combine with programmatic
+    dependent launch (its CTAs start while the split kernel's last CTAs finish; it waits for the
+    split grid's memory before reading the partials).
+
+    auto = on after verify_attn_decode, off after the others: H200 (session 9, fresh process, T=1,
+    4 rounds) decode + col 64 combine with / without PDL 58.7 / 59.7 µs at 100K b1, 103.8 / 104.6
+    at 200K b1, 28.4 / 29.1 at 32K; after the wgmma kernel session 5 measured -0.4 to -1.0 µs at
+    T=1 but +5 µs with combine_w at T=8 (NOTES.md)."""
+    kind = os.environ.get("HH_VERIFY_ATTENTION_PDL", "auto").lower()
+    if kind not in ("auto", "1", "0"):
+        raise ValueError(f"HH_VERIFY_ATTENTION_PDL={kind!r}: auto, 1 or 0")
+    return decode if kind == "auto" else kind == "1"
 
 
 def default_fuse(n8: int) -> bool:
@@ -154,19 +164,22 @@ def default_partials() -> str:
     return "fp32" if kind == "auto" else kind
 
 
-def default_combine() -> str:
+def default_combine(decode: bool = False) -> str:
     """HH_VERIFY_ATTENTION_COMBINE: auto (default), w, row or col: the combine kernel where 32..256
-    splits are merged (wgmma path, not fused): verify_attn_combine_w (warp per row x 8 dims, lane
-    = split), verify_attn_combine_r (CTA per row, coalesced loads) or verify_attn_combine_c (CTA
-    per row and COMBINE_COLS-dim column block: the row combine over D / COMBINE_COLS x the CTAs).
+    splits are merged (not fused): verify_attn_combine_w (warp per row x 8 dims, lane = split),
+    verify_attn_combine_r (CTA per row, coalesced loads) or verify_attn_combine_c (CTA per row and
+    COMBINE_COLS-dim column block: the row combine over D / COMBINE_COLS x the CTAs).
 
-    auto = row: on the H200 (session 5, same run as the previous default) 100K T=8 b1 90.8 vs
-    94.7 µs, 8K-32K T=8/16 b1 1.06-1.09x, T=1 b1 equal, no row of the full table slower than
-    1.03x. col: no gain at 100K b1 (T=1 72.9 vs 72.9 µs, T=8 91.0-92.8 vs 91.6; NOTES.md)."""
+    auto = row after the wgmma kernel: on the H200 (session 5, same run as the previous default)
+    100K T=8 b1 90.8 vs 94.7 µs, 8K-32K T=8/16 b1 1.06-1.09x, T=1 b1 equal, no row of the full
+    table slower than 1.03x; col there: no gain (T=1 72.9 vs 72.9 µs, T=8 91.0-92.8 vs 91.6).
+    auto = col after verify_attn_decode (its 24 rows x 132 splits at T=1 b1 over 96 CTAs instead
+    of 24): with PDL 58.7 vs 61.1 µs (row + PDL) at 100K b1, 103.8 vs 106.2 at 200K b1, 28.4 vs
+    30.5 at 32K (session 9, NOTES.md)."""
     kind = os.environ.get("HH_VERIFY_ATTENTION_COMBINE", "auto").lower()
     if kind not in ("auto", "w", "row", "col"):
         raise ValueError(f"HH_VERIFY_ATTENTION_COMBINE={kind!r}: auto, w, row or col")
-    return "row" if kind == "auto" else kind
+    return ("col" if decode else "row") if kind == "auto" else kind
 
 
 def default_combine_cols(d: int) -> int:
@@ -502,11 +515,11 @@ def verify_attention_cuda(
     (out is then not written): both for timing experiments only. ``kernel``: "wgmma" or "mma"
     (None: ``default_kernel()``). wgmma only: ``sched`` "dyn" / "static" (None:
     ``default_sched(n8)``), ``pdl`` launches the combine with programmatic dependent launch (None:
-    ``default_pdl()``), ``trace`` an int64 [CTAs, 8] tensor for per-CTA %globaltimer stamps,
+    ``default_pdl(decode)``), ``trace`` an int64 [CTAs, 8] tensor for per-CTA %globaltimer stamps,
     ``fuse`` merges the partials inside the split kernel (None: ``default_fuse(n8)``) in groups
     of ``merge_group`` splits (None: ``merge_group_for``); ``partials`` "fp32" / "fp16" (None:
     ``default_partials()``; fp16 only where the combine_w kernel merges); ``combine_kernel`` "w" /
-    "row" / "col" (None: ``default_combine()``) where >= 32 splits are merged, ``combine_cols``
+    "row" / "col" (None: ``default_combine(decode)``) where >= 32 splits are merged, ``combine_cols``
     the col kernel's dims per CTA (None: ``default_combine_cols``), ``combine_trace`` its stamps;
     ``workspace``: partials in the per-device buffer (None: ``default_workspace()``); ``decode``:
     verify_attn_decode where a query tile holds at most 8 rows (None: ``default_decode(keys)``),
@@ -524,12 +537,12 @@ def verify_attention_cuda(
     bf16 = "true" if q.dtype == torch.bfloat16 else "false"
     wgmma = (kernel or default_kernel()) == "wgmma"
     sched = (sched or default_sched(n8)) if num_splits > 1 else "static"
-    pdl = default_pdl() if pdl is None else pdl
     gs = 0  # fused merge: splits per first-level group (0: the combine kernel merges)
     # The decode kernel's 16-key chunks are whole pages' slices (page sizes that are multiples of
     # 16), and its 8 warps stream every KV head (1, 2, 4 or 8 of them).
     dec = (wgmma and n8 == 1 and k.shape[1] % 16 == 0 and DECODE_WARPS % hkv == 0
            and (default_decode(keys) if decode is None else decode))  # fmt: skip
+    pdl = default_pdl(dec) if pdl is None else pdl
     if dec:  # same arguments (the first 24), same partials; no counters, no fused merge
         if num_splits_given is None:
             num_splits = num_splits_decode(num_seqs, keys, sms)
@@ -537,7 +550,7 @@ def verify_attention_cuda(
         smem = smem_bytes_decode(d, hkv, stages)
         split_kernel = _compiled(f"verify_attn_decode<{d}, {stages}, {hkv}, {bf16}, {decode_mode}>", smem)
         sched, ph = "static", False
-        ckind = combine_kernel or default_combine()
+        ckind = combine_kernel or default_combine(decode=True)
         row = 32 <= num_splits <= ROW_COMBINE_MAX_SPLITS and ckind in ("row", "col")
     elif wgmma:
         stages = stages or pick_stages(d, n8, smem_bytes_wg)
