@@ -289,7 +289,7 @@ def decode_costs(flush: torch.Tensor, bw: float, results: list) -> None:
     """Issue 6, T=1: verify_attn_decode against the wgmma split kernel, in a fresh process.
 
     On an 800K-token pool (the main table's), T=1, at 100K b1 / b4 and 50K / 150K / 200K b1: each
-    kernel with its combine (the shipped path and HH_VERIFY_ATTENTION_DECODE=1) and alone
+    kernel with its combine (``decode=False`` / ``decode=True``: each with its default combine) and alone
     (``combine=False``). At 100K b1 also: the decode kernel + an empty node, + a PDL combine, its
     read-only probes (with / without the Q prologue and the merge epilogue), ceiling_stream's TMA
     probe on the same block table, and the %globaltimer stamps

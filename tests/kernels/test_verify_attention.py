@@ -458,7 +458,7 @@ def test_combine_switches(monkeypatch):
     assert acc.shape == (2, 3, 5, 16) and ml.shape == (2, 3, 5, 2)
 
 
-# verify_attn_decode (HH_VERIFY_ATTENTION_DECODE=1): query tiles of at most 8 rows. Contexts not a
+# verify_attn_decode (forced on here; auto from 32K keys): query tiles of at most 8 rows. Contexts not a
 # multiple of its 16-key chunk, windows starting inside a chunk, T=2 at G=4 (8 rows, causal within
 # the block), page 1616, one split (each head's warps merge and write out), splits without keys,
 # 150 splits (row combine), mixed lengths.

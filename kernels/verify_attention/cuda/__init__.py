@@ -7,7 +7,8 @@ default) and ``mma`` (verify_attn_split, mma.sync: the kernel of commit ea506d7,
 baseline and a fallback); ``HH_VERIFY_ATTENTION_MMA=mma|wgmma`` picks one. A third,
 verify_attn_decode (TMA page slices, warp streams; at most 8 query rows per tile), runs where a
 tile holds at most 8 rows and the longest request spans DECODE_MIN_KEYS keys or more
-(``HH_VERIFY_ATTENTION_DECODE=1`` / ``0`` force it on / off; NOTES.md). Each (head size, query tile, ring depth, dtype)
+(``HH_VERIFY_ATTENTION_DECODE=1`` / ``0`` force it on / off), then a col combine launched with
+programmatic dependent launch (NOTES.md). Each (head size, query tile, ring depth, dtype)
 variant is compiled once per process (about 4 s), on its first call: call once eagerly before a
 CUDA-graph capture (vLLM's warm-up does). Launches go to torch's current stream, so they are
 captured like any other kernel.
