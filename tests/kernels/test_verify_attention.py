@@ -141,6 +141,21 @@ def test_real_shapes(seq_lens, q_lens, hq, hkv, d, page, window, splits):
     run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits)
 
 
+def spy_compiled(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the kernel variants the CUDA launcher looks up from now on, in call order."""
+    from kernels.verify_attention import cuda as va_cuda
+
+    calls: list[str] = []
+    real = va_cuda._compiled
+
+    def spy(name, smem, source=None):
+        calls.append(name)
+        return real(name, smem, source)
+
+    monkeypatch.setattr(va_cuda, "_compiled", spy)
+    return calls
+
+
 @gpu_only
 def test_real_shapes_decode_rule(monkeypatch):
     """The launcher's decode rule at plain decode (T=1: 6 rows per KV head): verify_attn_decode from
@@ -149,14 +164,7 @@ def test_real_shapes_decode_rule(monkeypatch):
     use_cuda_kernel(monkeypatch)
     from kernels.verify_attention import cuda as va_cuda
 
-    calls = []
-    real = va_cuda._compiled
-
-    def spy(name, smem, source=None):
-        calls.append(name)
-        return real(name, smem, source)
-
-    monkeypatch.setattr(va_cuda, "_compiled", spy)
+    calls = spy_compiled(monkeypatch)
     for lens, want in (([va_cuda.DECODE_MIN_KEYS, 700], "verify_attn_decode"),
                        ([va_cuda.DECODE_MIN_KEYS - 1, 700], "verify_attn_split_wg"),
                        ([100_000], "verify_attn_decode")):
@@ -167,7 +175,6 @@ def test_real_shapes_decode_rule(monkeypatch):
     calls.clear()
     run_case([100_000], [1], 24, 4, 256, 16, torch.bfloat16, (-1, -1), None)
     assert calls[0].startswith("verify_attn_split_wg<"), calls
-
 
 
 # The CUDA kernel (sm_90, D in {128, 256}) on odd shapes: contexts not a multiple of the page or
@@ -493,14 +500,7 @@ def test_cuda_decode_graph_replay_and_selection(monkeypatch):
     cache, bt, cu, seq, q = build_problem([3001, 700, 64], [1, 1, 1], 24, 4, 256, 16, torch.bfloat16)
     out = torch.full_like(q, float("nan"))
     ref = naive_verify_attention(q, cache, cu, seq, bt)
-    calls = []
-    real = va_cuda._compiled
-
-    def spy(name, smem, source=None):
-        calls.append(name)
-        return real(name, smem, source)
-
-    monkeypatch.setattr(va_cuda, "_compiled", spy)
+    calls = spy_compiled(monkeypatch)
 
     def call():
         va_cuda.verify_attention_cuda(q, cache.k, out, cu, 1, seq, 3001, 256**-0.5, 0, bt, num_splits=7, decode=True)
