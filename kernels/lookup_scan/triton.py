@@ -425,13 +425,8 @@ def _finish_words(w_max, w_tk, n_match, L, s, drafts, num_valid, i_b, p_st, K_DR
     if STAMPS:
         tl.store(p_st + 4, _stamp(best))
     tl.store(w_tk, 0)
-    start = best & ((1 << POS_BITS) - 1)
-    nv = tl.where(best > 0, tl.minimum(L - start, K_DRAFT), 0)
-    out = tl.where(o_d < nv, d_tok, s[0]).to(tl.int64)
-    if STAMPS:
-        tl.store(p_st + 5, _stamp(tl.sum(out, axis=0)))
-    tl.store(drafts + i_b * K_DRAFT + o_d, out, mask=o_d < K_DRAFT)
-    tl.store(num_valid + i_b, nv.to(tl.int32))
+    _, nv = _draft_span(best, L, K_DRAFT, POS_BITS)
+    _store_proposal(d_tok, nv, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, STAMPS)
 
 
 @triton.jit
@@ -440,9 +435,24 @@ def _finish(p_h, best, L, s, drafts, num_valid, i_b, p_st, K_DRAFT: tl.constexpr
     """The request's proposal from its best packed score: the K_DRAFT tokens after the winning end
     position (fewer at the history's end), the last token in the slots past num_valid."""
     o_d = tl.arange(0, KP)
-    start = best & ((1 << POS_BITS) - 1)  # e + 1 of the winning end position
-    nv = tl.where(best > 0, tl.minimum(L - start, K_DRAFT), 0)
+    start, nv = _draft_span(best, L, K_DRAFT, POS_BITS)
     d_tok = tl.load(p_h + start + o_d, mask=o_d < nv, other=0)
+    _store_proposal(d_tok, nv, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, STAMPS)
+
+
+@triton.jit
+def _draft_span(best, L, K_DRAFT: tl.constexpr, POS_BITS: tl.constexpr):
+    """(start, count) of the proposal of a best packed score: the tokens from e + 1 of the winning
+    end position, K_DRAFT of them or fewer at the history's end; count 0 without a match."""
+    start = best & ((1 << POS_BITS) - 1)
+    return start, tl.where(best > 0, tl.minimum(L - start, K_DRAFT), 0)
+
+
+@triton.jit
+def _store_proposal(d_tok, nv, s, drafts, num_valid, i_b, p_st, K_DRAFT: tl.constexpr, KP: tl.constexpr,
+                    STAMPS: tl.constexpr):
+    """Write the request's proposal: d_tok [KP] in the first nv slots, the last token s[0] past them."""
+    o_d = tl.arange(0, KP)
     out = tl.where(o_d < nv, d_tok, s[0]).to(tl.int64)
     if STAMPS:
         tl.store(p_st + 5, _stamp(tl.sum(out, axis=0)))

@@ -289,12 +289,12 @@ def decode_costs(flush: torch.Tensor, bw: float, results: list) -> None:
     """Issue 6, T=1: verify_attn_decode against the wgmma split kernel, in a fresh process.
 
     On an 800K-token pool (the main table's), T=1, at 100K b1 / b4 and 50K / 150K / 200K b1: each
-    kernel with its combine (``decode=False`` / ``decode=True``: each with its default combine) and alone
-    (``combine=False``). At 100K b1 also: the decode kernel + an empty node, + a PDL combine, its
-    read-only probes (with / without the Q prologue and the merge epilogue), ceiling_stream's TMA
-    probe on the same block table, and the %globaltimer stamps
-    of split + combine (diag_combine._trace). Two rounds per size, the second in reverse order,
-    so no variant always runs first."""
+    kernel with its default combine (``decode=False`` / ``decode=True``) and alone
+    (``combine=False``). At 100K b1 also: the decode kernel + an empty node, + its combine without
+    PDL, its read-only probes (with / without the Q prologue and the merge epilogue),
+    ceiling_stream's TMA probe on the same block table, and the %globaltimer stamps of split +
+    combine (diag_combine._trace). Two rounds per size, the second in reverse order, so no variant
+    always runs first."""
     empty = torch.cuda._compile_kernel('extern "C" __global__ void va_empty() {}', "va_empty")
     pool = make_pool(8 * 100_000 + 64, 16, HKV, D)
     for ctx, b in ((100_000, 1), (100_000, 4), (200_000, 1), (50_000, 1), (150_000, 1)):
@@ -313,7 +313,7 @@ def decode_costs(flush: torch.Tensor, bw: float, results: list) -> None:
                 empty(grid=(1, 1, 1), block=(32, 1, 1), args=[])
 
             variants["decode-split+empty-node"] = split_empty
-            variants["decode+pdl"] = prob.cuda_variant(decode=True, pdl=True)
+            variants["decode-no-pdl"] = prob.cuda_variant(decode=True, pdl=False)  # PDL is its default
             variants["decode-probe-split"] = prob.cuda_variant(decode=True, decode_mode=2, combine=False)
             # the read-only TMA probe of ceiling_stream.py (one CTA per SM, 16-slot copies, 6 stages;
             # 94.7% of copy in its own session-5 process) on this problem's pool and block table

@@ -1766,8 +1766,8 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
 // * Chunks: absolute 16-key blocks (page sizes are multiples of 16, so a chunk is one page's
 //   slice); the CTA of split s takes chunks s + j num_splits (j < STAGES), then batches of 4 from
 //   a per-request counter and single chunks at the tail, so all CTAs sweep the context together
-//   and end together. Keys past
-//   k_hi or before k_lo in a chunk are copied (their page exists) and masked.
+//   and end together. Keys past k_hi or before k_lo in a chunk are copied (their page exists)
+//   and masked.
 // * S^T = K Q^T with mma.sync m16n8k16 (keys g, g + 8 on M, query rows on N = 8): in k-step j
 //   thread (g, t) reads the 4 bytes at 16 j + 4 t of keys g and g + 8, its A fragment once the
 //   contraction index is permuted (physical dims 16 j + 4 t + 0..3 = logical 2t, 2t+1, 2t+8,
