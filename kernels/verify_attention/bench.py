@@ -6,6 +6,8 @@
 
 The diagnostic modes (--sweep, --fixed-cost, --node-costs, --ceiling-only, --profile-one) live in
 diag.py, --combine-costs and --loop-modes in diag_combine.py; they share this file's harness.
+goal.py times the goal rows again in an engine's memory life cycle (per-layer pools filling the
+GPU, every graph captured after them), where this table's allocation churn does not reach.
 Measures the device's copy bandwidth first, then times every provider with CUDA-graph replay
 and a cold L2 (a 256 MiB buffer is read before every replay), median of the replays.
 Providers:
@@ -113,6 +115,14 @@ def time_graph(fn: Callable[[], object], flush: torch.Tensor, budget_s: float = 
     e1.record()
     torch.cuda.synchronize()
     reps = int(min(50, max(5, budget_s / max(e0.elapsed_time(e1) * 1e-3, 1e-6))))
+    us = replay_median(graph, flush, reps)
+    del graph
+    return us
+
+
+def replay_median(graph: torch.cuda.CUDAGraph, flush: torch.Tensor, reps: int) -> float:
+    """Median µs of `reps` replays of a captured graph, L2 flushed (by a read) before each."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
         flush_l2(flush)
@@ -121,7 +131,6 @@ def time_graph(fn: Callable[[], object], flush: torch.Tensor, budget_s: float = 
         e1.record()
         e1.synchronize()
         times.append(e0.elapsed_time(e1) * 1e3)
-    del graph
     return statistics.median(times)
 
 

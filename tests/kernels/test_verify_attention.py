@@ -531,3 +531,17 @@ def test_decode_switch(monkeypatch):
     assert vc.num_splits_decode(1, 300, 132) == 3  # at least 16 keys per stream
     for d, hkv in ((128, 8), (256, 4)):
         assert vc.smem_bytes_decode(d, hkv, vc.pick_stages_decode(d, hkv)) + 1024 <= vc.SHARED_PER_SM
+
+
+def test_goal_layer_pools_fill_the_device():
+    """goal.py sizes its per-layer pools from the free memory: equal pools, the reserve kept, and a
+    clear error when the goal rows would not fit (checked on CPU with an H200's numbers)."""
+    from kernels.verify_attention.goal import CASES, layer_tokens, record_bytes
+
+    assert record_bytes(4, 256) == 2080  # K int8 x 256 + fp32 scale + V + scale, 4 KV heads
+    free, reserve = 140 * 10**9, 10 << 30
+    tokens = layer_tokens(free, 16, reserve, 4, 256)
+    assert 16 * tokens * 2080 <= free - reserve < 16 * (tokens + 1) * 2080
+    assert tokens >= 4 * max(c[0] * c[2] for c in CASES)
+    with pytest.raises(ValueError, match="too few"):
+        layer_tokens(4 * 10**9, 16, 1 << 30, 4, 256)
