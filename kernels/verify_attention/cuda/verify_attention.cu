@@ -1389,6 +1389,31 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
     }
   };
 
+  // ---- Q's global loads go out first, before the block-table lookups and the first tile's
+  // copies: issued after them they queue behind every CTA's copy burst in DRAM (verify_attn_decode
+  // lost ~4 µs the same way, session 9). Converted below, once the first copies are in flight.
+  // Item i of this thread is row r0 + RS i (query token r / G, head h G + r % G), dims 4 rem..+3:
+  // the (token, head) pair is walked, one division in all (a division per item, with its 64-bit
+  // address, was ~50 instructions per item: ~1,200 per thread at 48 rows).
+  constexpr int NQ = R * (D / 4) / VA_THREADS;  // 8-byte items per thread
+  constexpr int RS = VA_THREADS / (D / 4);      // rows between a thread's items
+  static_assert(R * (D / 4) % VA_THREADS == 0 && VA_THREADS % (D / 4) == 0, "Q items split evenly");
+  u64 raw[NQ];
+  {
+    const int r0 = tid / (D / 4), rem = tid % (D / 4);
+    int qt_tok = r0 / G, grp = r0 - qt_tok * G;
+    const unsigned short* qp = q + (i64)(q_start + q_lo + qt_tok) * stride_q_tok +
+                               (i64)(h * G + grp) * stride_q_head + 4 * rem;
+    const i64 step = (i64)RS * stride_q_head, wrap = (i64)stride_q_tok - (i64)G * stride_q_head;
+#pragma unroll
+    for (int i = 0; i < NQ; ++i) {
+      raw[i] = r0 + RS * i < rows ? *reinterpret_cast<const u64*>(qp) : 0;
+      grp += RS;
+      qp += step;
+      while (grp >= G) grp -= G, qp += wrap;
+    }
+  }
+
   int nblk, nslot;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
@@ -1398,28 +1423,15 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
     cp_async_commit();
   }
   int next_kb = tile_kb(STAGES - 1);  // the tile looked up, copied in the next iteration
+  // Diagnosis stamps (trace only): 6 = the first tiles' copies issued, 7 = Q in shared memory.
+  if (trace && tid == 0) trace[(blockIdx.y * gridDim.x + blockIdx.x) * 8 + 6] = globaltimer();
   lookup(next_kb, nblk, nslot);
 
   // ---- Q -> shared memory, fp16, pre-scaled, d permuted within each 16-chunk as in
   // verify_attn_split (physical d = 16 s + 4 cc + e -> logical k = 16 s + 2 cc + e, e < 2, or
-  // 16 s + 8 + 2 cc + e - 2), stored in the K-major core-matrix layout. All global loads of a
-  // thread are issued before the first conversion: one memory latency, not one per item.
+  // 16 s + 8 + 2 cc + e - 2), stored in the K-major core-matrix layout (raw[] loaded above).
   {
-    constexpr int NQ = R * (D / 4) / VA_THREADS;  // 8-byte items per thread
-    static_assert(R * (D / 4) % VA_THREADS == 0, "Q items split evenly");
     const float qs = (float)qk_scale_d;
-    u64 raw[NQ];
-#pragma unroll
-    for (int i = 0; i < NQ; ++i) {
-      const int it = tid + i * VA_THREADS;
-      const int r = it / (D / 4), rem = it % (D / 4);
-      raw[i] = 0;
-      if (r < rows) {
-        const int t = r / G, grp = r - (r / G) * G;
-        raw[i] = *reinterpret_cast<const u64*>(q + (i64)(q_start + q_lo + t) * stride_q_tok +
-                                               (i64)(h * G + grp) * stride_q_head + 4 * rem);
-      }
-    }
 #pragma unroll
     for (int i = 0; i < NQ; ++i) {
       const int it = tid + i * VA_THREADS;
@@ -1449,6 +1461,7 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
     // m_s (free until the epilogue) holds -1152 x the row sum: S's accumulator starts there, so
     // K enters the QK product as int8 + 1152 (the magic-number fp16, no subtraction per pair).
     if (tid < R) m_s[tid] = -1152.f * (red_s[tid] + red_s[R + tid]);
+    if (trace && tid == 0) trace[(blockIdx.y * gridDim.x + blockIdx.x) * 8 + 7] = globaltimer();
   }
 
   // This thread's query rows in both accumulators: 8 j + 2 c + e.
