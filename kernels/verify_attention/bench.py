@@ -2,7 +2,7 @@
 
     python -m kernels.verify_attention.bench [--sweep] [--json PATH] [--quick] [--triton] [--no-vllm]
         [--no-sdpa] [--no-mma] [--fixed-cost] [--before-dir DIR] [--node-costs[-only]] [--ceiling-only]
-        [--combine-costs[-only]] [--loop-modes]
+        [--combine-costs[-only]] [--loop-modes] [--release-memory]
 
 The diagnostic modes (--sweep, --fixed-cost, --node-costs, --ceiling-only, --profile-one) live in
 diag.py, --combine-costs and --loop-modes in diag_combine.py; they share this file's harness.
@@ -407,6 +407,16 @@ def before_default(prob: Problem, mod: Any) -> Callable[[], object]:
     return run
 
 
+def release(args: argparse.Namespace) -> None:
+    """Memory of a finished row: kept in torch's cache (an engine never hands memory back while it
+    serves), or returned to the driver with ``--release-memory`` (small GPUs). Returning it is not
+    free: graphs captured or replayed after a ``cudaFree`` read every streaming kernel ~12% slower on
+    the H200 (100K T=1 b1 67.1 / 67.2 vs 60.4 / 60.0 µs, the same build, two processes each;
+    NOTES.md, session 10), which is what this table measured until then."""
+    if args.release_memory:
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     from kernels.verify_attention.diag import (
         decode_costs, fixed_cost, node_costs, profile_one, stream_ceiling, sweep,
@@ -417,6 +427,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="100K only")
     ap.add_argument("--sweep-only", action="store_true", help="stop after the sweep")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--release-memory", action="store_true",
+                    help="empty torch's CUDA cache after each row (small GPUs; slows the rows after it)")
     ap.add_argument("--triton", action="store_true", help="also time the Triton kernel (the fallback)")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's kernel (slow at long T>1)")
     ap.add_argument("--no-sdpa", action="store_true", help="skip torch SDPA (bf16 copy of the cache)")
@@ -536,7 +548,7 @@ def main() -> None:
             print(fmt(r), flush=True)
         if args.no_sdpa:
             del prob
-            torch.cuda.empty_cache()
+            release(args)
             continue
         try:
             fn = prob.sdpa()
@@ -547,11 +559,11 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - SDPA may not support a shape; say so
             print(f"{label} sdpa-bf16: {type(exc).__name__}: {str(exc)[:100]}")
         del prob
-        torch.cuda.empty_cache()
+        release(args)
 
     # Page size 1,616 (fp32 GDN state, 7 draft tokens) and the drafter's sliding-window layers.
     del pool
-    torch.cuda.empty_cache()
+    release(args)
     pool = make_pool(100_000 + 4096, 1616, HKV, D)
     extra = [(pool, 1, 100_000, t, HQ, 0, f"page=1616 ctx=100000 T={t} b=1") for t in (1, 8)]
     swa = make_pool(4 * 100_000 + 64, 16, 8, 128)
