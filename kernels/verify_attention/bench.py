@@ -410,9 +410,11 @@ def before_default(prob: Problem, mod: Any) -> Callable[[], object]:
 def release(args: argparse.Namespace) -> None:
     """Memory of a finished row: kept in torch's cache (an engine never hands memory back while it
     serves), or returned to the driver with ``--release-memory`` (small GPUs). Returning it is not
-    free: graphs captured or replayed after a ``cudaFree`` read every streaming kernel ~12% slower on
-    the H200 (100K T=1 b1 67.1 / 67.2 vs 60.4 / 60.0 µs, the same build, two processes each;
-    NOTES.md, session 10), which is what this table measured until then."""
+    free: graphs captured or replayed after a ``cudaFree`` can read every streaming kernel ~12%
+    slower on the H200 (``--quick --no-sdpa``: 100K T=1 b1 67.1 / 67.2 µs with the release, 60.4 /
+    60.0 without, two processes each; NOTES.md, session 10). The full table still reaches that state
+    by its 100K rows (other allocator events before them); goal.py times the goal rows in an
+    engine's memory life cycle."""
     if args.release_memory:
         torch.cuda.empty_cache()
 
