@@ -50,7 +50,9 @@ def record_bytes(hkv: int, d: int) -> int:
 
 
 def layer_tokens(free_bytes: int, layers: int, reserve_bytes: int, hkv: int, d: int) -> int:
-    """Tokens per layer pool when `layers` equal pools fill all but `reserve_bytes` of free memory."""
+    """Tokens per layer pool when `layers` equal pools fill all but `reserve_bytes` of free memory.
+    A pool must hold 4x the largest case's keys (bench.py's pools do too): the problems draw their
+    pages at random from the whole pool, as an engine's block tables do after some churn."""
     tokens = (free_bytes - reserve_bytes) // layers // record_bytes(hkv, d)
     if tokens < 4 * max(c[0] * c[2] for c in CASES):
         raise ValueError(f"{layers} pools in {free_bytes / 1e9:.1f} GB leave {tokens} tokens per layer: "
