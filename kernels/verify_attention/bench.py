@@ -6,8 +6,9 @@
 
 The diagnostic modes (--sweep, --fixed-cost, --node-costs, --ceiling-only, --profile-one) live in
 diag.py, --combine-costs and --loop-modes in diag_combine.py; they share this file's harness.
-goal.py times the goal rows again in an engine's memory life cycle (per-layer pools filling the
-GPU, every graph captured after them), where this table's allocation churn does not reach.
+The table (table.py) prepares every provider of every row before it captures any graph, then
+replays all graphs in rounds, as an engine allocates, captures and replays; goal.py times the
+goal rows again with per-layer pools filling the GPU.
 Measures the device's copy bandwidth first, then times every provider with CUDA-graph replay
 and a cold L2 (a 256 MiB buffer is read before every replay), median of the replays.
 Providers:
@@ -325,42 +326,6 @@ def fmt(r: dict) -> str:
 HEADER = f"{'case':<40} {'us':>10} {'GB/s':>8} {'%copy':>7} {'vs vllm':>9} err"
 
 
-def time_mma(
-    prob: Problem, label: str, flush: torch.Tensor, bw: float, base: float | None,
-    results: list, args: argparse.Namespace,
-) -> None:
-    """The mma.sync kernel (ea506d7) on the same problem, when the CUDA path serves it."""
-    from kernels.verify_attention import _use_cuda
-
-    p = prob.pool
-    if args.no_mma or not _use_cuda(prob.q, p.k, p.v, prob.out, p.k_scale, p.v_scale):
-        return
-    fn = prob.mma()
-    fn()
-    err = prob.error()
-    r = row(f"{label} mma-ea506d7", time_graph(fn, flush), prob.int8_bytes, bw, base, err)
-    results.append(r)
-    print(fmt(r), flush=True)
-
-
-def time_before(
-    prob: Problem, label: str, flush: torch.Tensor, bw: float, base: float | None,
-    results: list, before_mod: Any,
-) -> None:
-    """The previous commit's default CUDA path (``--before-dir``) on the same problem."""
-    from kernels.verify_attention import _use_cuda
-
-    p = prob.pool
-    if before_mod is None or not _use_cuda(prob.q, p.k, p.v, prob.out, p.k_scale, p.v_scale):
-        return
-    fn = before_default(prob, before_mod)
-    fn()
-    err = prob.error()
-    r = row(f"{label} before", time_graph(fn, flush), prob.int8_bytes, bw, base, err)
-    results.append(r)
-    print(fmt(r), flush=True)
-
-
 def summary(results: list[dict]) -> None:
     """Side by side per case: vLLM, the mma kernel (ea506d7), the previous commit's default path
     (``before``), ours; ratios from this run."""
@@ -407,18 +372,6 @@ def before_default(prob: Problem, mod: Any) -> Callable[[], object]:
     return run
 
 
-def release(args: argparse.Namespace) -> None:
-    """Memory of a finished row: kept in torch's cache (an engine never hands memory back while it
-    serves), or returned to the driver with ``--release-memory`` (small GPUs). Returning it is not
-    free: graphs captured or replayed after a ``cudaFree`` can read every streaming kernel ~12%
-    slower on the H200 (``--quick --no-sdpa``: 100K T=1 b1 67.1 / 67.2 µs with the release, 60.4 /
-    60.0 without, two processes each; NOTES.md, session 10). The full table still reaches that state
-    by its 100K rows (other allocator events before them); goal.py times the goal rows in an
-    engine's memory life cycle."""
-    if args.release_memory:
-        torch.cuda.empty_cache()
-
-
 def main() -> None:
     from kernels.verify_attention.diag import (
         decode_costs, fixed_cost, node_costs, profile_one, stream_ceiling, sweep,
@@ -430,7 +383,8 @@ def main() -> None:
     ap.add_argument("--sweep-only", action="store_true", help="stop after the sweep")
     ap.add_argument("--json", default=None)
     ap.add_argument("--release-memory", action="store_true",
-                    help="empty torch's CUDA cache after each row (small GPUs; slows the rows after it)")
+                    help="prepare, capture and time one row at a time, emptying torch's CUDA cache after "
+                         "each (small GPUs; graphs captured after that read slower: table.py)")
     ap.add_argument("--triton", action="store_true", help="also time the Triton kernel (the fallback)")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's kernel (slow at long T>1)")
     ap.add_argument("--no-sdpa", action="store_true", help="skip torch SDPA (bf16 copy of the cache)")
@@ -517,90 +471,23 @@ def main() -> None:
         if args.sweep_only:
             return
 
-    # The anchor first: vLLM at 100K, T=8, batch 1 (issue 6 measured 11,524 µs).
-    print(HEADER, flush=True)
+    # The anchor first: vLLM at 100K, T=8, batch 1 (issue 6 measured 11,524 µs). Then page size
+    # 1,616 (fp32 GDN state, 7 draft tokens) and the drafter's sliding-window layers. Every pool
+    # and problem exists before the first capture (table.py says why).
     cases = [(ctx, t, b) for ctx in contexts for t in (1, 8, 16) for b in (1, 4)]
     cases.sort(key=lambda c: c != (100_000, 8, 1))
-    for ctx, t, b in cases:
-        prob = Problem(pool, b, ctx, t, HQ)
-        base = None
-        label = f"ctx={ctx} T={t} b={b}"
-        if vllm is not None:
-            fn = prob.vllm(*vllm)
-            fn()
-            err = prob.error()
-            base = time_graph(fn, flush)
-            r = row(f"{label} vllm", base, prob.int8_bytes, bw, None, err)
-            results.append(r)
-            print(fmt(r), flush=True)
-        fn = prob.ours()
-        fn()
-        err = prob.error()
-        r = row(f"{label} ours", time_graph(fn, flush), prob.int8_bytes, bw, base, err)
-        results.append(r)
-        print(fmt(r), flush=True)
-        time_mma(prob, label, flush, bw, base, results, args)
-        time_before(prob, label, flush, bw, base, results, before_mod)
-        if args.triton:
-            fn = prob.triton()
-            fn()
-            err = prob.error()
-            r = row(f"{label} triton", time_graph(fn, flush), prob.int8_bytes, bw, base, err)
-            results.append(r)
-            print(fmt(r), flush=True)
-        if args.no_sdpa:
-            del prob
-            release(args)
-            continue
-        try:
-            fn = prob.sdpa()
-            r = row(f"{label} sdpa-bf16", time_graph(fn, flush), prob.bf16_bytes, bw, base, 0)
-            r["err"] = float("nan")
-            results.append(r)
-            print(fmt(r), flush=True)
-        except Exception as exc:  # noqa: BLE001 - SDPA may not support a shape; say so
-            print(f"{label} sdpa-bf16: {type(exc).__name__}: {str(exc)[:100]}")
-        del prob
-        release(args)
-
-    # Page size 1,616 (fp32 GDN state, 7 draft tokens) and the drafter's sliding-window layers.
-    del pool
-    release(args)
-    pool = make_pool(100_000 + 4096, 1616, HKV, D)
-    extra = [(pool, 1, 100_000, t, HQ, 0, f"page=1616 ctx=100000 T={t} b=1") for t in (1, 8)]
+    problems = [(Problem(pool, b, ctx, t, HQ), f"ctx={ctx} T={t} b={b}") for ctx, t, b in cases]
+    p1616 = make_pool(100_000 + 4096, 1616, HKV, D)
+    problems += [(Problem(p1616, 1, 100_000, t, HQ), f"page=1616 ctx=100000 T={t} b=1") for t in (1, 8)]
     swa = make_pool(4 * 100_000 + 64, 16, 8, 128)
-    extra += [
-        (swa, b, 100_000, t, 32, 2048, f"swa 8x128 w=2048 ctx=100000 T={t} b={b}")
+    problems += [
+        (Problem(swa, b, 100_000, t, 32, 2048), f"swa 8x128 w=2048 ctx=100000 T={t} b={b}")
         for t in (1, 8)
         for b in (1, 4)
     ]
-    print(HEADER, flush=True)
-    for p, b, ctx, t, hq, window, label in extra:
-        prob = Problem(p, b, ctx, t, hq, window)
-        base = None
-        if vllm is not None:
-            fn = prob.vllm(*vllm)
-            fn()
-            err = prob.error()
-            base = time_graph(fn, flush)
-            r = row(f"{label} vllm", base, prob.int8_bytes, bw, None, err)
-            results.append(r)
-            print(fmt(r), flush=True)
-        fn = prob.ours()
-        fn()
-        err = prob.error()
-        r = row(f"{label} ours", time_graph(fn, flush), prob.int8_bytes, bw, base, err)
-        results.append(r)
-        print(fmt(r), flush=True)
-        time_mma(prob, label, flush, bw, base, results, args)
-        time_before(prob, label, flush, bw, base, results, before_mod)
-        if args.triton:
-            fn = prob.triton()
-            fn()
-            err = prob.error()
-            r = row(f"{label} triton", time_graph(fn, flush), prob.int8_bytes, bw, base, err)
-            results.append(r)
-            print(fmt(r), flush=True)
+    from kernels.verify_attention.table import run_table
+
+    run_table(problems, args, vllm, before_mod, flush, bw, results, per_row=args.release_memory)
 
     summary(results)
     if args.json:

@@ -545,3 +545,23 @@ def test_goal_layer_pools_fill_the_device():
     assert tokens >= 4 * max(c[0] * c[2] for c in CASES)
     with pytest.raises(ValueError, match="too few"):
         layer_tokens(4 * 10**9, 16, 1 << 30, 4, 256)
+
+
+def test_table_report_rows_against_their_own_vllm():
+    """table.report: a row's time is the median of its rounds, its speedup is against the same
+    row's vLLM median (not another row's), and vLLM's own row has none."""
+    from kernels.verify_attention.table import Entry, report
+
+    entries = [
+        Entry("a", "vllm", print, 1000, 2e-3, [10.0, 12.0, 11.0]),
+        Entry("a", "ours", print, 1000, 1e-3, [2.0, 1.0, 1.5]),
+        Entry("b", "vllm", print, 1000, 2e-3, [40.0, 40.0, 40.0]),
+        Entry("b", "ours", print, 1000, 1e-3, [4.0, 5.0, 4.0]),
+    ]
+    results: list[dict] = []
+    report(entries, 1000.0, results)
+    by = {r["case"]: r for r in results}
+    assert by["a ours"]["us"] == 1.5 and by["a ours"]["speedup_vs_vllm"] == pytest.approx(11.0 / 1.5)
+    assert by["b ours"]["speedup_vs_vllm"] == pytest.approx(10.0)
+    assert "speedup_vs_vllm" not in by["a vllm"] and by["b ours"]["rounds"] == [4.0, 5.0, 4.0]
+    assert by["a ours"]["GBps"] == pytest.approx(1000 / 1.5 / 1e3)
