@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 
 from kernels.verify_attention.bench import (
-    D, FLUSH_BYTES, HKV, HQ, Problem, capture, copy_bandwidth, load_vllm_unified_attention, make_pool,
-    replay_median,
+    D, FLUSH_BYTES, HKV, HQ, Problem, copy_bandwidth, load_vllm_unified_attention, make_pool,
 )  # fmt: skip
 from kernels.verify_attention.reference import Int8KVCache
+from kernels.verify_attention.table import providers, time_entries
 
 # (context, query tokens per request, requests): the two goal rows, then batch 4 (scales with bytes).
 CASES = ((100_000, 8, 1), (100_000, 1, 1), (100_000, 8, 4), (100_000, 1, 4))
@@ -90,40 +90,30 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; {args.layers} layer pools of "
           f"{gb:.2f} GB (page {args.page}); the problems on layer {len(pools) // 2}", flush=True)
 
-    rows: list[dict] = []
-    graphs: dict[tuple[str, str], torch.cuda.CUDAGraph] = {}
+    # Every provider run once (its error), then every graph captured, then the rounds (table.py).
+    opts = argparse.Namespace(no_mma=True, triton=False, no_sdpa=True)
     probs: dict[str, Problem] = {}
+    entries = []
     for ctx, t, b in CASES:
         label = f"ctx={ctx} T={t} b={b} page={args.page}"
-        prob = probs[label] = Problem(pool, b, ctx, t, HQ)
-        fns = {"ours": prob.ours()}
-        if vllm is not None:
-            fns["vllm"] = prob.vllm(*vllm)
-        for prov, fn in fns.items():
-            fn()
-            rows.append({"case": label, "provider": prov, "err": prob.error()})
-    for r in rows:  # every graph after every allocation above (the engine's order)
-        prob = probs[r["case"]]
-        graphs[(r["case"], r["provider"])] = capture(prob.ours() if r["provider"] == "ours" else prob.vllm(*vllm))
-    times: dict[tuple[str, str], list[float]] = {k: [] for k in graphs}
-    for _ in range(args.rounds):
-        for k, g in graphs.items():
-            times[k].append(replay_median(g, flush, args.reps))
+        probs[label] = Problem(pool, b, ctx, t, HQ)
+        entries += providers(probs[label], label, opts, vllm, None)
+    time_entries(entries, flush, rounds=args.rounds, reps=args.reps)
 
     print(f"\n{'case':<34} {'vllm us':>9} {'ours us':>8} {'ours rounds':>13} {'GB/s':>6} {'% copy':>7} "
           f"{'vs vllm':>8}  err ours / vllm")
+    by = {(e.label, e.provider): e for e in entries}
+    rows = []
     for label, prob in probs.items():
-        ours = statistics.median(times[(label, "ours")])
-        spread = f"{min(times[(label, 'ours')]):.1f}-{max(times[(label, 'ours')]):.1f}"
-        base = statistics.median(times[(label, "vllm")]) if vllm is not None else float("nan")
+        o, v = by[(label, "ours")], by.get((label, "vllm"))
+        ours = statistics.median(o.times)
+        base = statistics.median(v.times) if v is not None else float("nan")
         gbs = prob.int8_bytes / ours / 1e3
-        errs = {r["provider"]: r["err"] for r in rows if r["case"] == label}
-        print(f"{label:<34} {base:9.1f} {ours:8.1f} {spread:>13} {gbs:6.0f} {100 * gbs / bw:6.1f}% "
-              f"{base / ours:7.1f}x  {errs['ours']:.1e} / {errs.get('vllm', float('nan')):.1e}", flush=True)
-        for r in rows:
-            if r["case"] == label:
-                r.update(us=statistics.median(times[(label, r["provider"])]), rounds=times[(label, r["provider"])],
-                         bytes=prob.int8_bytes, copy_GBps=bw)
+        print(f"{label:<34} {base:9.1f} {ours:8.1f} {min(o.times):>6.1f}-{max(o.times):<6.1f} {gbs:6.0f} "
+              f"{100 * gbs / bw:6.1f}% {base / ours:7.1f}x  {o.err:.1e} / {v.err if v else float('nan'):.1e}",
+              flush=True)
+        rows += [{"case": label, "provider": e.provider, "err": e.err, "us": statistics.median(e.times),
+                  "rounds": e.times, "bytes": e.nbytes, "copy_GBps": bw} for e in (o, v) if e is not None]
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

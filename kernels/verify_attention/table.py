@@ -71,21 +71,24 @@ def providers(prob: Problem, label: str, opts: Any, vllm: Any, before_mod: Any) 
     return out
 
 
-def time_entries(entries: list[Entry], flush: torch.Tensor) -> None:
-    """Capture every entry's graph, then ROUNDS rounds over all of them (each entry's replay count
-    set from one cold replay so that a round spends about BUDGET_S on it)."""
+def time_entries(entries: list[Entry], flush: torch.Tensor, rounds: int = ROUNDS, reps: int = 0) -> None:
+    """Capture every entry's graph, then `rounds` rounds over all of them, `reps` cold replays per
+    graph and round (0: set from one cold replay so that a round spends about BUDGET_S on it)."""
     graphs = [capture(e.fn) for e in entries]
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = []
+    counts = []
     for g in graphs:
+        if reps:
+            counts.append(reps)
+            continue
         flush_l2(flush)
         e0.record()
         g.replay()
         e1.record()
         torch.cuda.synchronize()
-        reps.append(int(min(50, max(5, BUDGET_S / max(e0.elapsed_time(e1) * 1e-3, 1e-6)))))
-    for _ in range(ROUNDS):
-        for e, g, n in zip(entries, graphs, reps):
+        counts.append(int(min(50, max(5, BUDGET_S / max(e0.elapsed_time(e1) * 1e-3, 1e-6)))))
+    for _ in range(rounds):
+        for e, g, n in zip(entries, graphs, counts):
             e.times.append(replay_median(g, flush, n))
 
 
