@@ -109,16 +109,20 @@ def capture(fn: Callable[[], object], warm_on_side_stream: bool = True) -> torch
 def time_graph(fn: Callable[[], object], flush: torch.Tensor, budget_s: float = 0.25) -> float:
     """Median µs of CUDA-graph replays of fn, L2 flushed (by a read, flush_l2) before each."""
     graph = capture(fn)
+    us = replay_median(graph, flush, replay_count(graph, flush, budget_s))
+    del graph
+    return us
+
+
+def replay_count(graph: torch.cuda.CUDAGraph, flush: torch.Tensor, budget_s: float = 0.25) -> int:
+    """Replays (5 to 50) that spend about budget_s on a graph, from one cold replay."""
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     flush_l2(flush)
     e0.record()
     graph.replay()
     e1.record()
     torch.cuda.synchronize()
-    reps = int(min(50, max(5, budget_s / max(e0.elapsed_time(e1) * 1e-3, 1e-6))))
-    us = replay_median(graph, flush, reps)
-    del graph
-    return us
+    return int(min(50, max(5, budget_s / max(e0.elapsed_time(e1) * 1e-3, 1e-6))))
 
 
 def replay_median(graph: torch.cuda.CUDAGraph, flush: torch.Tensor, reps: int) -> float:

@@ -2,13 +2,12 @@
 
     python -m kernels.verify_attention.goal [--page 1616] [--layers 16] [--rounds 5] [--json PATH]
 
-bench.py's table allocates and frees a problem per row (and 2 GiB for the copy bandwidth), and
-graphs captured after such allocator events read every streaming kernel ~12% slower on the H200
+Graphs captured after allocator events read every streaming kernel ~12% slower on the H200
 (NOTES.md, sessions 5, 9, 10: the same graph flips between ~60 and ~67 µs at 100K T=1 b1 after
 a 40 GB allocation is made and freed, with contiguous and random block tables alike). A serving
-engine never does that: vLLM allocates one KV tensor per attention layer at start-up, filling
-the memory left after the weights, then captures its graphs and replays them. This script does
-the same before it times anything:
+engine does not make such events: vLLM allocates one KV tensor per attention layer at start-up,
+filling the memory left after the weights, then captures its graphs and replays them. bench.py's
+table (table.py) keeps that order on one pool; this script also fills the GPU as vLLM does:
 
 1. the device's copy bandwidth (bench.copy_bandwidth: 2 GiB, freed), the flush buffer;
 2. ``--layers`` int8 per-token-head pools of equal size filling all but ``--reserve-gb`` of the

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kernels.verify_attention.bench import (
-    HEADER, Problem, before_default, capture, flush_l2, fmt, replay_median, row,
+    HEADER, Problem, before_default, capture, fmt, replay_count, replay_median, row,
 )  # fmt: skip
 
 ROUNDS = 3  # replay rounds per graph; a row's time is the median of its per-round medians
@@ -75,18 +75,7 @@ def time_entries(entries: list[Entry], flush: torch.Tensor, rounds: int = ROUNDS
     """Capture every entry's graph, then `rounds` rounds over all of them, `reps` cold replays per
     graph and round (0: set from one cold replay so that a round spends about BUDGET_S on it)."""
     graphs = [capture(e.fn) for e in entries]
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    counts = []
-    for g in graphs:
-        if reps:
-            counts.append(reps)
-            continue
-        flush_l2(flush)
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        counts.append(int(min(50, max(5, BUDGET_S / max(e0.elapsed_time(e1) * 1e-3, 1e-6)))))
+    counts = [reps or replay_count(g, flush, BUDGET_S) for g in graphs]
     for _ in range(rounds):
         for e, g, n in zip(entries, graphs, counts):
             e.times.append(replay_median(g, flush, n))
