@@ -382,31 +382,6 @@ def test_cuda_mma_kernel(seq_lens, q_lens, hq, hkv, d, page, window, splits, mon
     run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits)
 
 
-# verify_attn_ws (HH_VERIFY_ATTENTION_MMA=ws): the warp-specialised kernel where a query tile holds
-# 9..48 rows at D = 256; the other tiles of the same call take the wgmma / decode kernels.
-WS_CASES = CUDA_CASES + [c for c in REAL if c.id.startswith("qwen")]
-
-
-@gpu_only
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), WS_CASES)
-def test_cuda_ws_kernel(seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, monkeypatch):
-    use_cuda_kernel(monkeypatch, mma="ws")
-    calls = spy_compiled(monkeypatch)
-    run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
-    if d == 256 and max(q_lens) * (hq // hkv) > 8:
-        assert calls[0].startswith("verify_attn_ws<"), calls
-
-
-def test_cuda_ws_shared_memory():
-    """verify_attn_ws: one CTA per SM, a 5-stage ring at 48 rows (D = 256)."""
-    from kernels.verify_attention.cuda import pick_stages_ws, smem_bytes_ws
-
-    assert smem_bytes_ws(256, 6, 5) == 5 * 64 * 528 + 48 * 512 + 4 * 48 * 128 + 40 + 64 + (21 * 48 + 1) * 4
-    assert pick_stages_ws(256, 6) == 5
-    assert smem_bytes_ws(256, 6, 6) > 227 * 1024
-
-
 def test_cuda_ring_depth():
     """Two CTAs per SM: 2 stages at 48 query rows, 3 at one n8 tile of rows (D = 256)."""
     from kernels.verify_attention.cuda import pick_stages, smem_bytes_wg

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 SOURCE = Path(__file__).with_name("verify_attention.cu")
-SOURCE_WS = Path(__file__).with_name("verify_attention_ws.cu")  # appended: verify_attn_ws
 BULK_HELPERS = Path(__file__).with_name("sm90_bulk.cuh")  # put in front of the kernel source
 THREADS = 128  # VA_THREADS in the .cu
 BN = 64  # VA_BN: keys per tile
@@ -52,21 +51,6 @@ def smem_bytes_wg(d: int, n8: int, stages: int) -> int:
     """Dynamic shared memory of one verify_attn_split_wg CTA (ring, Q, P, maxima / sums, idx)."""
     rows = 8 * n8
     return stages * BN * (2 * d + 16) + rows * 2 * d + rows * 2 * BN + 5 * rows * 4 + 8 * 4
-
-
-def smem_bytes_ws(d: int, n8: int, stages: int) -> int:
-    """Dynamic shared memory of one verify_attn_ws CTA (mirrors the carve-up in
-    verify_attention_ws.cu): ring, Q, 4 P buffers, 8 + 4 + 4 mbarriers, then 21 R floats + ver."""
-    rows = 8 * n8
-    return stages * BN * (2 * d + 16) + rows * 2 * d + 4 * rows * 2 * BN + 8 * stages + 64 + (21 * rows + 1) * 4
-
-
-def pick_stages_ws(d: int, n8: int) -> int:
-    """verify_attn_ws's ring depth: the deepest (<= 6) that fits one CTA per SM."""
-    return pick_stages(d, n8, smem_bytes_ws, ctas_per_sm=1, most=6)
-
-
-WS_THREADS = 512  # verify_attn_ws: two QK warpgroups and two PV warpgroups
 
 
 DECODE_WARPS = 8  # verify_attn_decode: consumer warps per CTA (warp w computes KV head w % Hkv)
@@ -102,11 +86,10 @@ def pick_stages(d: int, tiles: int, smem=smem_bytes, ctas_per_sm: int = CTAS_PER
 
 
 def default_kernel() -> str:
-    """HH_VERIFY_ATTENTION_MMA: wgmma (default), ws (verify_attn_ws, the warp-specialised kernel,
-    where a query tile holds 9..48 rows; wgmma elsewhere) or mma (the mma.sync kernel of ea506d7)."""
+    """HH_VERIFY_ATTENTION_MMA: wgmma (default) or mma (the mma.sync kernel of ea506d7)."""
     kind = os.environ.get("HH_VERIFY_ATTENTION_MMA", "wgmma").lower()
-    if kind not in ("wgmma", "ws", "mma"):
-        raise ValueError(f"HH_VERIFY_ATTENTION_MMA={kind!r}: wgmma, ws or mma")
+    if kind not in ("wgmma", "mma"):
+        raise ValueError(f"HH_VERIFY_ATTENTION_MMA={kind!r}: wgmma or mma")
     return kind
 
 
@@ -240,7 +223,7 @@ def merge_fits(d: int, n8: int, stages: int, num_splits: int, gs: int) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _source() -> str:
-    return BULK_HELPERS.read_text() + SOURCE.read_text() + SOURCE_WS.read_text()
+    return BULK_HELPERS.read_text() + SOURCE.read_text()
 
 
 @functools.lru_cache(maxsize=None)
@@ -434,41 +417,6 @@ def _set_attr(func: Any, attr: int, value: int) -> None:
         raise RuntimeError(f"cuFuncSetAttribute({attr}, {value}) failed: CUresult {err}")
 
 
-# verify_attn_ws's tensor maps: CUtensorMap (128 bytes) over a cache's K view as a 3D tensor of
-# 8-byte words [blocks][page slots][words of a slot], box [1][16][RP / 8]: one TMA copy brings one
-# head's 528-byte record windows (16-byte aligned) of 16 slots of a page, 528 contiguous bytes
-# per slot. Kept on the device (the kernel takes its global address) per (cache pointer, shape, strides); made on the
-# first (eager) call.
-_TMAPS: dict[tuple, torch.Tensor] = {}
-
-
-def _tensor_map(k: torch.Tensor, d: int) -> torch.Tensor:
-    key = (k.data_ptr(), tuple(k.shape), tuple(k.stride()), d)
-    buf = _TMAPS.get(key)
-    if buf is not None:
-        return buf
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("verify_attention: the ws kernel's tensor map must be made before graph capture")
-    num_blocks, page = k.shape[0], k.shape[1]
-    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    dims = (u64 * 3)(k.stride(1) // 8, page, num_blocks)  # supported(): 16-byte aligned slots
-    strides = (u64 * 2)(k.stride(1), k.stride(0))  # bytes (int8 view)
-    box = (u32 * 3)((2 * d + 16) // 8, 16, 1)
-    elem = (u32 * 3)(1, 1, 1)
-    tmap = (ctypes.c_uint8 * 128)()
-    libcuda = ctypes.CDLL("libcuda.so.1")
-    # cuTensorMapEncodeTiled(map, UINT64, rank, addr, dims, strides, box, elemStrides, interleave
-    # none, swizzle none, L2 promotion none, OOB fill none)
-    err = libcuda.cuTensorMapEncodeTiled(
-        ctypes.byref(tmap), 4, u32(3), ctypes.c_void_p(k.data_ptr()), dims, strides, box, elem, 0, 0, 0, 0
-    )
-    if err:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed: CUresult {err}")
-    buf = torch.frombuffer(bytearray(bytes(tmap)), dtype=torch.uint8).to(k.device)
-    _TMAPS[key] = buf
-    return buf
-
-
 def _tile(group: int, max_seqlen_q: int) -> tuple[int, int, int, int]:
     """(tokens per query tile, query tiles, m16 tiles, n8 tiles) for a request of max_seqlen_q."""
     block_q = max(1, min(max(1, max_seqlen_q), MAX_ROWS // group))
@@ -517,13 +465,13 @@ def supported(
 
 
 def num_splits_for(
-    num_seqs: int, num_kv_heads: int, num_q_tiles: int, keys: int, sms: int, ctas_per_sm: int = CTAS_PER_SM
+    num_seqs: int, num_kv_heads: int, num_q_tiles: int, keys: int, sms: int
 ) -> int:
     """KV splits per (request, KV head, query tile): the fewest waves x tiles per CTA.
 
     Cost model: waves of CTAS_PER_SM x sms CTAs, each wave as long as its CTAs' tiles plus about
     two tiles of fixed cost (Q load, epilogue, the partials). At least 4 tiles per split."""
-    slots = ctas_per_sm * sms
+    slots = CTAS_PER_SM * sms
     units = num_seqs * num_kv_heads * num_q_tiles
     best_cost, best = None, 1
     for s in range(1, max(1, math.ceil(keys / (4 * BN))) + 1):
@@ -586,13 +534,9 @@ def verify_attention_cuda(
     keys = max_seqlen_k if window <= 0 else min(max_seqlen_k, window + block_q)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if num_splits is None else 0
     if num_splits is None:
-        ws_only = (kernel or default_kernel()) == "ws" and n8 >= 2 and d == 256 and k.shape[1] % 16 == 0
-        num_splits = num_splits_for(num_seqs, hkv, n_qt, keys, sms, 1 if ws_only else CTAS_PER_SM)
+        num_splits = num_splits_for(num_seqs, hkv, n_qt, keys, sms)
     bf16 = "true" if q.dtype == torch.bfloat16 else "false"
-    kind = kernel or default_kernel()
-    # verify_attn_ws copies 16-slot page groups (page % 16 == 0) through a tensor map.
-    ws = kind == "ws" and n8 >= 2 and d == 256 and k.shape[1] % 16 == 0
-    wgmma = kind in ("wgmma", "ws")
+    wgmma = (kernel or default_kernel()) == "wgmma"
     sched = (sched or default_sched(n8)) if num_splits > 1 else "static"
     gs = 0  # fused merge: splits per first-level group (0: the combine kernel merges)
     # The decode kernel's 16-key chunks are whole pages' slices (page sizes that are multiples of
@@ -608,13 +552,6 @@ def verify_attention_cuda(
         split_kernel = _compiled(f"verify_attn_decode<{d}, {stages}, {hkv}, {bf16}, {decode_mode}>", smem)
         sched, ph = "static", False
         ckind = combine_kernel or default_combine(decode=True)
-        row = 32 <= num_splits <= ROW_COMBINE_MAX_SPLITS and ckind in ("row", "col")
-    elif ws:  # same partials and combines as the wgmma kernel (fp32 partials); static splits
-        stages = stages or pick_stages_ws(d, n8)
-        smem = smem_bytes_ws(d, n8, stages)
-        split_kernel = _compiled(f"verify_attn_ws<{d}, {n8}, {stages}, {bf16}>", smem)
-        sched, ph = "static", False
-        ckind = combine_kernel or default_combine()
         row = 32 <= num_splits <= ROW_COMBINE_MAX_SPLITS and ckind in ("row", "col")
     elif wgmma:
         stages = stages or pick_stages(d, n8, smem_bytes_wg)
@@ -645,13 +582,13 @@ def verify_attention_cuda(
     ng = -(-num_splits // gs) if gs else 0
     split_kernel(
         grid=((1 if dec else hkv) * n_qt * num_splits, num_seqs, 1),
-        block=(32 * (DECODE_WARPS + 1) if dec else WS_THREADS if ws else THREADS, 1, 1),
+        block=(32 * (DECODE_WARPS + 1) if dec else THREADS, 1, 1),
         args=[
             q, k, block_table, seqused_k, cu_seqlens_q, out, part_acc, part_ml,
             float(softmax_scale * LOG2E), int(window), int(num_splits), n_qt, block_q, group,
             k.shape[1], hkv, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k.stride(0), k.stride(1), k.stride(2), block_table.stride(0),
-        ] + ([_tensor_map(k, d), trace if trace is not None else out, int(trace is not None)] if ws else [
+        ] + ([
             _counters(q.device, units * (ng + 2)) if sched == "dyn" else out,
             trace if trace is not None else out, int(trace is not None),
             gs, _counters(q.device, units * (ng + 2))[units:] if gs else out,
