@@ -293,8 +293,9 @@ def main() -> None:
                     lens_c = torch.full((B,), S, dtype=torch.int32)
                     tok, lens = tok_c.cuda(), lens_c.cuda()
                     ws = torch.zeros(workspace_numel(B), dtype=torch.int64, device="cuda")
-                    out = (torch.empty(B, K_DRAFT, dtype=torch.int64, device="cuda"),
-                           torch.empty(B, dtype=torch.int32, device="cuda"))
+                    # zeros: the outputs are persistent and must start below DIRECT's fold range
+                    out = (torch.zeros(B, K_DRAFT, dtype=torch.int64, device="cuda"),
+                           torch.zeros(B, dtype=torch.int32, device="cuda"))
                     ours = lambda: lookup_scan(tok, lens, min_n, max_n, K_DRAFT, workspace=ws, out=out)  # noqa: E731
                     cand_t = {c: _time_candidate(c, tok, lens, min_n, max_n, B, S) for c in cands} if args.cand_first else {}
                     t_ours = time_graph(ours)

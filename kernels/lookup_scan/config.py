@@ -114,6 +114,10 @@ CANDIDATES["c19"] = (4, _plus(CANDIDATES["c12"][1], {"WORDS": 1}))
 # timed after and before ours): 100K B1 n6-12 quote 3.01 / 3.20 / 3.02 µs vs c12 3.24 / 3.17 / 3.31,
 # vocab 8 2.75 / 2.72 / 2.75 vs 3.06 / 3.06 / 3.09; every other row 0.98-1.03x (the launcher runs
 # c12's code there): c19 becomes DEFAULT.
+# c20 (session 12): c19 + DIRECT (triton._fold_direct) on the same ticket path: the matches fold into
+# the outputs themselves and the finisher masks the scores off with REDs, reading nothing after its
+# ticket (c19's finisher reads the words' line: one L2 round trip on the quoting row).
+CANDIDATES["c20"] = (4, _plus(CANDIDATES["c19"][1], {"DIRECT": 1}))
 DEFAULT = "c19"
 
 

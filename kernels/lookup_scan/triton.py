@@ -233,7 +233,7 @@ def lookup_scan_kernel(
     FAST: tl.constexpr = 0, FOLD: tl.constexpr = 1, SUFFIX_AT_S: tl.constexpr = 0,
     SPREAD: tl.constexpr = 0, COVER: tl.constexpr = 0, EDGE_ONLY: tl.constexpr = 0, TICKETS: tl.constexpr = 0,
     HIT: tl.constexpr = 0, STAMPS: tl.constexpr = 0, POLL: tl.constexpr = 0, PP: tl.constexpr = 1,
-    WORDS: tl.constexpr = 0,
+    WORDS: tl.constexpr = 0, DIRECT: tl.constexpr = 0, NV_BITS: tl.constexpr = 4,
 ):
     BLOCK: tl.constexpr = ROWS * 4 * NV
     i_p, i_b = tl.program_id(0), tl.program_id(1)
@@ -314,7 +314,9 @@ def lookup_scan_kernel(
             # the end of every release sequence, so it needs no fence of its own: the last
             # program of a quoting history pays no MEMBAR (FENCE 1's finisher pays one, ~0.3 µs
             # by FENCE 0's measurement).
-            if WORDS:
+            if DIRECT:
+                ticket = _fold_direct(w_t1, best, p_h, L, s[0], drafts, num_valid, i_b, K_DRAFT, KP, POS_BITS, NV_BITS)
+            elif WORDS:
                 ticket = _fold_words(w_max, w_t1, best, p_h, L, K_DRAFT, KP, POS_BITS)
             elif best > 0:
                 tl.atomic_max(w_max, best, sem="relaxed")
@@ -361,8 +363,11 @@ def lookup_scan_kernel(
             if (ticket & 0xFFFF) == n_fin - 1:
                 # matches before this program's ticket (bits 16-31 of what it read) and its own
                 n_match = (ticket >> 16) + (best > 0).to(tl.int32)
-                _finish_words(w_max, w_tk, n_match, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS,
-                              STAMPS)
+                if DIRECT:
+                    _finish_direct(w_tk, n_match, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, NV_BITS, STAMPS)
+                else:
+                    _finish_words(w_max, w_tk, n_match, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS,
+                                  STAMPS)
         elif ticket == n_fin - 1:
             # Last program of the request: every max is visible (acquire); plain loads/stores
             # suffice, no other program touches the two words again in this launch.
@@ -427,6 +432,61 @@ def _finish_words(w_max, w_tk, n_match, L, s, drafts, num_valid, i_b, p_st, K_DR
     tl.store(w_tk, 0)
     _, nv = _draft_span(best, L, K_DRAFT, POS_BITS)
     _store_proposal(d_tok, nv, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, STAMPS)
+
+
+# DIRECT's packed num_valid fold, m << POS_BITS | (e + 1) << NV_BITS | count, orders as the score
+# does (m, then the position): positions stay below 2**(POS_BITS - NV_BITS) (the launcher's check).
+NV_BITS = 4
+
+
+@triton.jit
+def _fold_direct(w_tk, best, p_h, L, last, drafts, num_valid, i_b, K_DRAFT: tl.constexpr, KP: tl.constexpr,
+                 POS_BITS: tl.constexpr, NV_BITS: tl.constexpr):
+    """DIRECT=1's fold (WORDS's tickets, FENCE 4's fences): the outputs are the fold's words, so the
+    last arrival reads nothing after its ticket.  A program with a match folds, with relaxed
+    64-bit REDs, score << 32 | token into every one of the request's K_DRAFT draft slots (its own
+    draft tokens, then the last token where the history ends first: the reference's fill) and
+    m << POS_BITS | (e + 1) << NV_BITS | count into num_valid, then releases them with its ticket
+    (+1 + (1 << 16), as WORDS).  Scores are unique and every match writes every slot, so each slot
+    ends as the winner's; the finisher masks the score off in place (_finish_direct).  The outputs
+    must start below the fold's range (drafts < 2**58, num_valid < 2**26: zeros, negative fills
+    or this kernel's previous proposals), which the kernel itself leaves behind."""
+    if best > 0:
+        o_k = tl.arange(0, KP)
+        own = best & ((1 << POS_BITS) - 1)  # e + 1 of this program's best end position
+        n_own = tl.minimum(L - own, K_DRAFT)
+        d_own = tl.load(p_h + own + o_k, mask=o_k < n_own, other=0).to(tl.int64)
+        tok = tl.where(o_k < n_own, d_own, last.to(tl.int64)) & 0xFFFFFFFF
+        tl.atomic_max(drafts + i_b * K_DRAFT + o_k, (best.to(tl.int64) << 32) | tok, mask=o_k < K_DRAFT,
+                      sem="relaxed")
+        packed = ((best >> POS_BITS) << POS_BITS) | (own << NV_BITS) | n_own
+        tl.atomic_max(num_valid + i_b, packed, sem="relaxed")
+        ticket = tl.atomic_add(w_tk, 1 + (1 << 16), sem="acq_rel")
+    else:
+        ticket = tl.atomic_add(w_tk, 1, sem="acquire")
+    return ticket
+
+
+@triton.jit
+def _finish_direct(w_tk, n_match, s, drafts, num_valid, i_b, p_st, K_DRAFT: tl.constexpr, KP: tl.constexpr,
+                   NV_BITS: tl.constexpr, STAMPS: tl.constexpr):
+    """The last arrival of a DIRECT fold: with no match it stores the fallback proposal (the last
+    token, num_valid 0); else it clears the folded scores with relaxed AND REDs (its acquire ticket
+    ordered every fold before them, so each AND comes last in its slot's coherence order).  No load
+    after the ticket: WORDS's finisher read the words' line (one L2 round trip) first."""
+    o_d = tl.arange(0, KP)
+    p_d = drafts + i_b * K_DRAFT + o_d
+    if STAMPS:
+        tl.store(p_st + 4, _stamp(n_match))
+    tl.store(w_tk, 0)
+    if n_match > 0:
+        if STAMPS:
+            tl.store(p_st + 5, _stamp(n_match))
+        tl.atomic_and(p_d, tl.full([KP], 0xFFFFFFFF, tl.int64), mask=o_d < K_DRAFT, sem="relaxed")
+        tl.atomic_and(num_valid + i_b, (1 << NV_BITS) - 1, sem="relaxed")
+    else:
+        _store_proposal(tl.zeros([KP], dtype=tl.int64), n_match * 0, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP,
+                        STAMPS)
 
 
 @triton.jit
@@ -529,15 +589,18 @@ def lookup_scan_fwd(
     elif workspace.dim() != 1 or workspace.numel() < need or workspace.dtype != torch.int64 or not workspace.is_contiguous():
         raise ValueError(f"workspace must be contiguous int64 [workspace_numel(B) = {need}] zeros, "
                          f"got {workspace.dtype} {tuple(workspace.shape)}")
+    # Zeros, not empty: DIRECT folds into the outputs (they must start below the fold's range).
     drafts, num_valid = out if out is not None else (
-        torch.empty(B, num_draft, dtype=torch.int64, device=dev),
-        torch.empty(B, dtype=torch.int32, device=dev),
+        torch.zeros(B, num_draft, dtype=torch.int64, device=dev),
+        torch.zeros(B, dtype=torch.int32, device=dev),
     )
     # COVER=1 asks for the loop-free kernel; it is only right when the grid covers every end
     # position of the buffer (seq_lens <= S): n_tiles = cdiv(L - 1, BLOCK) <= P.
     kw["COVER"] = int(bool(kw.get("COVER")) and P * block >= S - 1)
     if kw.get("WORDS") and (kw.get("POLL") or num_draft > 8):  # WORDS folds the ticket path, k <= 8 words
         kw["WORDS"] = 0
+    # DIRECT folds into the outputs on WORDS's path; its packed num_valid holds positions < 2**22.
+    kw["DIRECT"] = int(bool(kw.get("DIRECT")) and bool(kw.get("WORDS")) and S < 2 ** (POS_BITS - NV_BITS))
     maxnreg = kw.pop("MAXNREG", None)
     LAST_KERNEL[0] = lookup_scan_kernel[(P, B)](
         token_ids, token_ids.stride(0), req_indices if req_indices is not None else seq_lens, seq_lens,
@@ -545,7 +608,7 @@ def lookup_scan_fwd(
         MIN_N=min_n, MAX_N=max_n, K_DRAFT=num_draft, KP=triton.next_power_of_2(num_draft),
         ROWS=32 * nw * g, NV=nv, HV=triton.cdiv(max_n - 1, 4), HAS_REQ_IDX=req_indices is not None,
         # int, not bool: FENCE 3 / 4 are protocols of their own (bool() made them FENCE 1 before 2026-11-30)
-        POS_BITS=POS_BITS, FENCE=int(fence), ORDER=int(bool(order)), num_warps=nw,
+        POS_BITS=POS_BITS, NV_BITS=NV_BITS, FENCE=int(fence), ORDER=int(bool(order)), num_warps=nw,
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
         **kw,
     )

@@ -149,15 +149,18 @@ def test_configs_block_loop_and_idle_programs(config, programs, opts):
         assert not ws.any()
 
 
+@pytest.mark.parametrize("direct", [0, 1], ids=["words", "direct"])
 @pytest.mark.parametrize("k", [5, 8, 9], ids=["k5", "k8", "k9-no-words"])
 @pytest.mark.parametrize("programs", [10, 3], ids=["idle", "loop"])
-def test_words_fold_paths(programs, k):
+def test_words_fold_paths(programs, k, direct):
     """WORDS's cases per request in one launch: no program with a match (the finisher reads
     nothing), one, two in different tiles (the max of the folded words), the winner in the last
     program's tile (the interpreter's last arrival: its own words), the winner 3 tokens before the
     end (fewer draft tokens than words: the words past them hold the earlier copy's tokens and must
     not be used), the only match in the last program's tile (its own, not in the ticket it read), across tiles and the loop past the program cap; k = 8 fills the line's eight words,
-    k = 9 runs the launcher's fallback to the plain max word."""
+    k = 9 runs the launcher's fallback to the plain max word.  DIRECT: the same cases folded into
+    the outputs (pre-filled with -7: a slot or count no fold reached fails), the scores masked off
+    by the finisher."""
     from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
 
     S = 1500
@@ -180,12 +183,45 @@ def test_words_fold_paths(programs, k):
         out = (torch.full((7, k), -7, dtype=torch.int64, device=DEVICE),
                torch.full((7,), -7, dtype=torch.int32, device=DEVICE))
         d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, k, None, ws, out, programs,
-                               (2, 1, 1, 64, 4, 0), {"SPREAD": 1, "WORDS": 1})
+                               (2, 1, 1, 64, 4, 0), {"SPREAD": 1, "WORDS": 1, "DIRECT": direct})
         dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, k)
         assert nr.tolist()[:3] == [0, k, k] and dr[4, :5].tolist() == base[1309:1314].tolist()
         assert nr[5] == 3 and dr[5, :3].tolist() == [7, 8, 9] and nr[6] == k
         assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
         assert not ws.any()
+
+
+@pytest.mark.parametrize("programs", [10, 3], ids=["idle", "loop"])
+def test_direct_outputs_persist_across_calls(programs):
+    """DIRECT folds into the outputs, so they must start below the fold's range: one pair of
+    output tensors reused call after call (as the engine plugin holds them, never refilled) gives
+    the reference's proposals whatever the previous call left there: a full draft, a match 3
+    tokens before the end (num_valid 3, the rest the last token), no match (the fallback), large
+    token ids; and zeros / negative fills at the start."""
+    from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
+
+    S, k = 1500, 7
+    base = torch.arange(S, dtype=torch.int32) + 2_000_000_000  # distinct, near int32's top
+    full = base.clone()
+    full[600:609] = base[-9:]  # one earlier copy of the suffix: k tokens follow it
+    tail = base.clone()
+    tail[400:415] = tail[-15:] = torch.tensor([7, 8, 9] * 5, dtype=torch.int32)  # the winner ends at L-4
+    two = full.clone()
+    two[1100:1109] = base[-9:]  # a second, later copy: it wins
+    seq = [full, tail, base, two, base, tail, full]
+    ws = torch.zeros(workspace_numel(2), dtype=torch.int64, device=DEVICE)
+    for fill in (0, -7):
+        out = (torch.full((2, k), fill, dtype=torch.int64, device=DEVICE),
+               torch.full((2,), fill, dtype=torch.int32, device=DEVICE))
+        for i in range(len(seq)):
+            tok = torch.stack([seq[i], seq[(i + 3) % len(seq)]])
+            lens = torch.tensor([S, S], dtype=torch.int32)
+            d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), 2, 9, k, None, ws, out, programs,
+                                   (2, 1, 1, 64, 4, 0), {"SPREAD": 1, "WORDS": 1, "DIRECT": 1})
+            dr, nr = naive_lookup_scan(tok, lens, 2, 9, k)
+            assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr), i
+            assert not ws.any()
+    assert [int(naive_lookup_scan(r[None], torch.tensor([S]), 2, 9, k)[1]) for r in (full, tail, base)] == [k, 3, 0]
 
 
 def test_rule_tiers():
@@ -210,7 +246,7 @@ def test_rule_tiers():
     assert tier_candidate("c4", 3, 5)[0][:3] == (1, 4, 4) and tier_candidate("c4", 3, 12)[0][:4] == CONFIG_LARGE[:4]
 
 
-@pytest.mark.parametrize("cand", ["c19", "c12", "c5", "c3"])
+@pytest.mark.parametrize("cand", ["c20", "c19", "c12", "c5", "c3"])
 @pytest.mark.parametrize("tier", range(4), ids=["w1-128", "w1-256", "w4-1024-order", "w4-2048"])
 def test_rule_configs(tier, cand):
     """Each config the rule can pick, with the launcher's own grid (P from the cap): mixed lengths,
@@ -237,7 +273,7 @@ def test_rule_configs(tier, cand):
 
 
 @pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
-@pytest.mark.parametrize("cand", ["default", "c1", "c3", "c4", "c10", "c12", "c19"])
+@pytest.mark.parametrize("cand", ["default", "c1", "c3", "c4", "c10", "c12", "c19", "c20"])
 @pytest.mark.parametrize("S", [8192, 100_000, 262_144])
 @pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
 def test_real_lengths_gpu(S, min_n, max_n, cand):
@@ -263,13 +299,14 @@ def test_real_lengths_gpu(S, min_n, max_n, cand):
 @pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
 @pytest.mark.parametrize("S", [100_000, 262_144])
 @pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
-def test_words_real_lengths_gpu(S, min_n, max_n):
-    """WORDS (c19) at batch 1 on the ticket path with 391 / 1,024 programs (c12's 100K B1 tile), the
+@pytest.mark.parametrize("cand", ["c19", "c20"])
+def test_words_real_lengths_gpu(S, min_n, max_n, cand):
+    """WORDS (c19) and DIRECT (c20) at batch 1 on the ticket path with 391 / 1,024 programs (c12's 100K B1 tile), the
     programs racing for real: a quoting history, vocab-8 noise (no match or many), distinct tokens
     with one and with two earlier copies of the suffix; twice each (the line left zero)."""
     from kernels.lookup_scan.triton import candidate, lookup_scan_fwd, workspace_numel
 
-    config, opts = candidate("c19", 1, 100_000, max_n)
+    config, opts = candidate(cand, 1, 100_000, max_n)
     opts = {**opts, "POLL_MAX_P": 0}
     base = torch.randperm(2_000_000, generator=torch.Generator().manual_seed(S))[:S].to(torch.int32)
     one = base.clone()
@@ -278,12 +315,13 @@ def test_words_real_lengths_gpu(S, min_n, max_n):
     two[S // 2:S // 2 + 12] = base[-12:]
     rows = [repetitive(1, S, 150_000, seed=S)[0], torch.randint(0, 8, (S,), dtype=torch.int32), base, one, two]
     ws = torch.zeros(workspace_numel(1), dtype=torch.int64, device=DEVICE)
+    # One pair of outputs for every call (-7 at first): DIRECT folds into what the last call left.
+    out = (torch.full((1, 7), -7, dtype=torch.int64, device=DEVICE),
+           torch.full((1,), -7, dtype=torch.int32, device=DEVICE))
     for row in rows:
         tok, lens = row[None], torch.tensor([S], dtype=torch.int32)
         dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 7)
         for _ in range(2):
-            out = (torch.full((1, 7), -7, dtype=torch.int64, device=DEVICE),
-                   torch.full((1,), -7, dtype=torch.int32, device=DEVICE))
             d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, config, opts)
             assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
             assert not ws.any()
