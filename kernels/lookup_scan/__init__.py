@@ -39,7 +39,10 @@ def lookup_scan(
         workspace: optional contiguous int64 [workspace_numel(B)] zeros (used as int32 words; a
             longer one is fine); the kernel leaves it zeroed, so a persistent one makes the call
             CUDA-graph capturable with no memset.
-        out: optional (drafts [B, num_draft] int64, num_valid [B] int32).
+        out: optional (drafts [B, num_draft] int64, num_valid [B] int32), persistent across calls:
+            on entry they must hold values below the in-place fold's range (drafts < 2**58,
+            num_valid < 2**26), i.e. zeros, negative fills or this function's previous proposals,
+            as the kernel leaves them; not torch.empty garbage.  Default: fresh zeros.
         programs_per_request: grid width per request (default from S, capped).
 
     Returns:

@@ -118,7 +118,11 @@ CANDIDATES["c19"] = (4, _plus(CANDIDATES["c12"][1], {"WORDS": 1}))
 # the outputs themselves and the finisher masks the scores off with REDs, reading nothing after its
 # ticket (c19's finisher reads the words' line: one L2 round trip on the quoting row).
 CANDIDATES["c20"] = (4, _plus(CANDIDATES["c19"][1], {"DIRECT": 1}))
-DEFAULT = "c19"
+# H200 call 1 of session 12 (rule fixed before it, NOTES.md; two bench passes, the candidate timed
+# after and before ours): 100K B1 n6-12 quote 2.94 / 2.93 µs vs c19 3.15 / 3.10, n5-5 rows 0.89-0.94x,
+# vocab 8 2.80 / 2.81 vs 2.75 / 2.80 (no match there: the same path run); 32 rows 0.98-1.02x
+# elsewhere, geometric mean 0.992: c20 becomes DEFAULT.
+DEFAULT = "c20"
 
 
 def _tier(work: int) -> int:

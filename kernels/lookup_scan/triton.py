@@ -19,8 +19,10 @@ program of a request (an acq_rel ``atomic_add`` ticket, which also orders the ma
 resets the two words and gathers the draft, so one graph-capturable launch does the whole lookup.
 POLL=1 (the default up to 256 programs per request, config.c12 / c19) folds without a ticket: each
 program but the last writes its maximum into its own slot and the last polls the slots (_poll_slots).
-WORDS=1 (the default with tickets, config.c19) folds the draft with the max and counts the matches
-in the ticket, so the last program reads at most one line after its ticket (_fold_words).
+WORDS=1 (config.c19) folds the draft with the max and counts the matches in the ticket, so the last
+program reads at most one line after its ticket (_fold_words); DIRECT=1 on top (the default with
+tickets, config.c20) folds into the outputs themselves and the last program masks the scores off
+with REDs, reading nothing after its ticket (_fold_direct).
 The workspace is the caller's int64 [workspace_numel(B)] zeros, used as int32 words (SPREAD: one
 128-byte line per request; then the POLL slots).  Past the program cap a program loops over
 further tiles (loaded after the length is known); COVER compiles that loop out where the grid

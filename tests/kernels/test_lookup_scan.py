@@ -251,11 +251,11 @@ def test_rule_tiers():
 def test_rule_configs(tier, cand):
     """Each config the rule can pick, with the launcher's own grid (P from the cap): mixed lengths,
     a row shorter than the suffix, vocab-4 rows (every tile passes the hit test); with the kernel
-    switches of candidate launcher defaults (c19, the default: c12 + WORDS on the ticket path, which
-    these few programs per request never take; c12: c5 with POLL, which they always take; c5: FENCE
+    switches of candidate launcher defaults (c20, the default: c12 + WORDS + DIRECT on the ticket
+    path, and c19 without DIRECT: these few programs per request never take it; c12: c5 with POLL, which they always take; c5: FENCE
     4 tickets, SPREAD, COVER, FAST 2 + HIT 3 on the four-warp tiers, the 4-token-row tile at max_n
     <= 5 on the large one; c3: TICKETS, EDGE_ONLY / FAST 1).  FENCE 1 runs in
-    test_configs_block_loop_and_idle_programs; WORDS in test_words_fold_paths."""
+    test_configs_block_loop_and_idle_programs; WORDS and DIRECT in test_words_fold_paths."""
     from kernels.lookup_scan.triton import block_tokens, lookup_scan_fwd, tier_candidate, workspace_numel
 
     for min_n, max_n in [(6, 12), (5, 5)]:
