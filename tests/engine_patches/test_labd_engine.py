@@ -149,7 +149,11 @@ def _prompt_ids(eng: Engine, prompts: list[str]) -> list[list[int]]:
 
 
 def _start(stack: ExitStack, model: Path, drafter: Path | None, labd: bool, cpu: int | None = None) -> Engine:
-    flags = ["--max-num-seqs", "4", "--seed", "0"]
+    # fp32: in bf16 a verify batch and a one-token decode take different GEMM kernels on a CPU with
+    # AMX (oneDNN's tiles vs its GEMV path), so their logits round apart and greedy argmax flips at
+    # near-ties (seen on a Sapphire Rapids CI machine: plain and DFlash-alone differ at token ~40
+    # with 0 drafts accepted). Losslessness is about the speculation, not the kernels' rounding.
+    flags = ["--max-num-seqs", "4", "--seed", "0", "--dtype", "float32"]
     if drafter is not None:
         spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": K,
                 "draft_sample_method": "probabilistic", "disable_eagle_block_drop": True}  # fmt: skip
