@@ -122,10 +122,9 @@ CANDIDATES["c20"] = (4, _plus(CANDIDATES["c19"][1], {"DIRECT": 1}))
 # after and before ours): 100K B1 n6-12 quote 2.94 / 2.93 µs vs c19 3.15 / 3.10, n5-5 rows 0.89-0.94x,
 # vocab 8 2.80 / 2.81 vs 2.75 / 2.80 (no match there: the same path run); 32 rows 0.98-1.02x
 # elsewhere, geometric mean 0.992: c20 becomes DEFAULT.
-# c21 (session 12): c20 with DIRECT on the POLL path too (DIRECT=2): the matching programs fold into
-# the outputs and release them with their slot RMW; the poller fences (acquire) after its poll and
-# masks the scores off instead of reading the winner's draft from the history (one L2 trip).
-CANDIDATES["c21"] = (4, _plus(CANDIDATES["c19"][1], {"DIRECT": 2}))
+# c21 (session 12, commit 3568246): DIRECT on the POLL path too (release slot RMWs, an acquire fence
+# after the poll, masks instead of the poller's draft read): 1.07-1.26x slower than c20 on every POLL
+# row of the H200 bench (the poller's fence, no-match rows included); removed (NOTES.md).
 DEFAULT = "c20"
 
 

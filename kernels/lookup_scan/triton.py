@@ -235,7 +235,7 @@ def lookup_scan_kernel(
     FAST: tl.constexpr = 0, FOLD: tl.constexpr = 1, SUFFIX_AT_S: tl.constexpr = 0,
     SPREAD: tl.constexpr = 0, COVER: tl.constexpr = 0, EDGE_ONLY: tl.constexpr = 0, TICKETS: tl.constexpr = 0,
     HIT: tl.constexpr = 0, STAMPS: tl.constexpr = 0, POLL: tl.constexpr = 0, PP: tl.constexpr = 1,
-    WORDS: tl.constexpr = 0, DIRECT: tl.constexpr = 0, NV_BITS: tl.constexpr = 4, ASM: tl.constexpr = 0,
+    WORDS: tl.constexpr = 0, DIRECT: tl.constexpr = 0, NV_BITS: tl.constexpr = 4,
 ):
     BLOCK: tl.constexpr = ROWS * 4 * NV
     i_p, i_b = tl.program_id(0), tl.program_id(1)
@@ -293,25 +293,11 @@ def lookup_scan_kernel(
             # Per-program slots after the B lines: ws[32 B + i_b P + i_p] = best + 1 (0 = not yet).
             w_sl = ws + 32 * B + i_b * P
             if i_p == n_act - 1:
-                if DIRECT:  # its own match first: program order puts it before its masks
-                    if best > 0:
-                        _fold_out(best, p_h, L, s[0], drafts, num_valid, i_b, K_DRAFT, KP, POS_BITS, NV_BITS)
-                best = _poll_slots(w_sl, best, n_act, PP, DIRECT & ASM)
+                best = _poll_slots(w_sl, best, n_act, PP)
                 if STAMPS:
                     tl.store(p_st + 3, _stamp(best))
                     tl.store(p_st + 4, _stamp(best))
-                if DIRECT:
-                    _mask_or_fallback(best > 0, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, NV_BITS, STAMPS)
-                else:
-                    _finish(p_h, best, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS, STAMPS)
-            elif DIRECT:
-                if best > 0:
-                    # the folds into the outputs, released by the slot's RMW (the poller's volatile
-                    # reads and its acquire fence pair with it, _poll_slots)
-                    _fold_out(best, p_h, L, s[0], drafts, num_valid, i_b, K_DRAFT, KP, POS_BITS, NV_BITS)
-                    tl.atomic_max(w_sl + i_p, best + 1, sem="release")
-                else:
-                    tl.atomic_max(w_sl + i_p, best + 1, sem="relaxed")
+                _finish(p_h, best, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS, STAMPS)
             else:
                 # A relaxed RMW (a RED: fire and forget, no fence): the slot is the whole message
                 # (the draft is read from the history, which no program writes), so nothing else
@@ -427,6 +413,17 @@ def _fold_words(w_max, w_tk, best, p_h, L, K_DRAFT: tl.constexpr, KP: tl.constex
 
 
 @triton.jit
+def _own_draft(best, p_h, L, K_DRAFT: tl.constexpr, KP: tl.constexpr, POS_BITS: tl.constexpr):
+    """(e + 1, count, tokens [KP] int64) of a program's own best match (WORDS and DIRECT folds): the
+    tokens after its best end position (its tile's lines or the next tile's), K_DRAFT of them or
+    fewer at the history's end."""
+    o_k = tl.arange(0, KP)
+    own = best & ((1 << POS_BITS) - 1)
+    n_own = tl.minimum(L - own, K_DRAFT)
+    return own, n_own, tl.load(p_h + own + o_k, mask=o_k < n_own, other=0).to(tl.int64)
+
+
+@triton.jit
 def _finish_words(w_max, w_tk, n_match, L, s, drafts, num_valid, i_b, p_st, K_DRAFT: tl.constexpr,
                   KP: tl.constexpr, POS_BITS: tl.constexpr, STAMPS: tl.constexpr):
     """The last arrival of a WORDS fold: with no match it stores the fallback proposal (the last
@@ -466,35 +463,17 @@ def _fold_direct(w_tk, best, p_h, L, last, drafts, num_valid, i_b, K_DRAFT: tl.c
     must start below the fold's range (drafts < 2**58, num_valid < 2**26: zeros, negative fills
     or this kernel's previous proposals), which the kernel itself leaves behind."""
     if best > 0:
-        _fold_out(best, p_h, L, last, drafts, num_valid, i_b, K_DRAFT, KP, POS_BITS, NV_BITS)
+        o_k = tl.arange(0, KP)
+        own, n_own, d_own = _own_draft(best, p_h, L, K_DRAFT, KP, POS_BITS)
+        tok = tl.where(o_k < n_own, d_own, last.to(tl.int64)) & 0xFFFFFFFF
+        tl.atomic_max(drafts + i_b * K_DRAFT + o_k, (best.to(tl.int64) << 32) | tok, mask=o_k < K_DRAFT,
+                      sem="relaxed")
+        packed = ((best >> POS_BITS) << POS_BITS) | (own << NV_BITS) | n_own
+        tl.atomic_max(num_valid + i_b, packed, sem="relaxed")
         ticket = tl.atomic_add(w_tk, 1 + (1 << 16), sem="acq_rel")
     else:
         ticket = tl.atomic_add(w_tk, 1, sem="acquire")
     return ticket
-
-
-@triton.jit
-def _own_draft(best, p_h, L, K_DRAFT: tl.constexpr, KP: tl.constexpr, POS_BITS: tl.constexpr):
-    """(e + 1, count, tokens [KP] int64) of a program's own best match: the tokens after its best
-    end position (its tile's lines or the next tile's), K_DRAFT of them or fewer at the end."""
-    o_k = tl.arange(0, KP)
-    own = best & ((1 << POS_BITS) - 1)
-    n_own = tl.minimum(L - own, K_DRAFT)
-    return own, n_own, tl.load(p_h + own + o_k, mask=o_k < n_own, other=0).to(tl.int64)
-
-
-@triton.jit
-def _fold_out(best, p_h, L, last, drafts, num_valid, i_b, K_DRAFT: tl.constexpr, KP: tl.constexpr,
-              POS_BITS: tl.constexpr, NV_BITS: tl.constexpr):
-    """DIRECT's fold of one match (best > 0) into the outputs, relaxed REDs: score << 32 | token
-    into every draft slot (the last token past its own draft) and the packed count into num_valid.
-    The caller releases them (a ticket or a slot RMW)."""
-    o_k = tl.arange(0, KP)
-    own, n_own, d_own = _own_draft(best, p_h, L, K_DRAFT, KP, POS_BITS)
-    tok = tl.where(o_k < n_own, d_own, last.to(tl.int64)) & 0xFFFFFFFF
-    tl.atomic_max(drafts + i_b * K_DRAFT + o_k, (best.to(tl.int64) << 32) | tok, mask=o_k < K_DRAFT,
-                  sem="relaxed")
-    tl.atomic_max(num_valid + i_b, ((best >> POS_BITS) << POS_BITS) | (own << NV_BITS) | n_own, sem="relaxed")
 
 
 @triton.jit
@@ -504,28 +483,19 @@ def _finish_direct(w_tk, n_match, s, drafts, num_valid, i_b, p_st, K_DRAFT: tl.c
     token, num_valid 0); else it clears the folded scores with relaxed AND REDs (its acquire ticket
     ordered every fold before them, so each AND comes last in its slot's coherence order).  No load
     after the ticket: WORDS's finisher read the words' line (one L2 round trip) first."""
+    o_d = tl.arange(0, KP)
+    p_d = drafts + i_b * K_DRAFT + o_d
     if STAMPS:
         tl.store(p_st + 4, _stamp(n_match))
     tl.store(w_tk, 0)
-    _mask_or_fallback(n_match > 0, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, NV_BITS, STAMPS)
-
-
-@triton.jit
-def _mask_or_fallback(matched, s, drafts, num_valid, i_b, p_st, K_DRAFT: tl.constexpr, KP: tl.constexpr,
-                      NV_BITS: tl.constexpr, STAMPS: tl.constexpr):
-    """DIRECT's last step, once every fold is ordered before it: mask the scores off in place
-    (relaxed AND REDs, each last in its slot's coherence order) or, with no match, store the
-    fallback proposal (the last token, num_valid 0)."""
-    o_d = tl.arange(0, KP)
-    if matched:
+    if n_match > 0:
         if STAMPS:
-            tl.store(p_st + 5, _stamp(matched.to(tl.int32)))
-        tl.atomic_and(drafts + i_b * K_DRAFT + o_d, tl.full([KP], 0xFFFFFFFF, tl.int64), mask=o_d < K_DRAFT,
-                      sem="relaxed")
+            tl.store(p_st + 5, _stamp(n_match))
+        tl.atomic_and(p_d, tl.full([KP], 0xFFFFFFFF, tl.int64), mask=o_d < K_DRAFT, sem="relaxed")
         tl.atomic_and(num_valid + i_b, (1 << NV_BITS) - 1, sem="relaxed")
     else:
-        _store_proposal(tl.zeros([KP], dtype=tl.int64), matched.to(tl.int32) * 0, s, drafts, num_valid, i_b, p_st,
-                        K_DRAFT, KP, STAMPS)
+        _store_proposal(tl.zeros([KP], dtype=tl.int64), n_match * 0, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP,
+                        STAMPS)
 
 
 @triton.jit
@@ -560,14 +530,7 @@ def _store_proposal(d_tok, nv, s, drafts, num_valid, i_b, p_st, K_DRAFT: tl.cons
 
 
 @triton.jit
-def _fence_acq_rel(dep):
-    """fence.acq_rel.gpu, after `dep` is known; returns dep (later code that uses it stays after)."""
-    return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [dep], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _poll_slots(w_sl, best, n_act, PP: tl.constexpr, FENCE_ACQ: tl.constexpr = 0):
+def _poll_slots(w_sl, best, n_act, PP: tl.constexpr):
     """POLL=1's fold: the request's last active program waits (volatile loads, L2) until the other
     n_act - 1 programs have written their slots, takes the max and zeroes the slots for the next
     launch.  No ticket and no max word: where c5's last program pays a contended ticket RMW and
@@ -583,25 +546,9 @@ def _poll_slots(w_sl, best, n_act, PP: tl.constexpr, FENCE_ACQ: tl.constexpr = 0
     # A multi-warp program polls in every warp (v is replicated across them and the loop's reduction
     # is warp-local): no warp may zero the slots before every warp has left the loop, or the others
     # spin forever (seen on the H200: a four-warp poller hung without this barrier).
-    if FENCE_ACQ:
-        # DIRECT: the matching programs' slot RMWs are releases; these relaxed (volatile) reads of
-        # them, then this acquire fence, order every fold into the outputs before the masks that
-        # follow.  Fenced before the slots are zeroed, so the fence waits for no store of its own.
-        m = _fence_acq_rel(tl.max(v, axis=0))
-        tl.debug_barrier()
-        tl.store(w_sl + o_s, tl.zeros_like(v) + m * 0, mask=live)
-        best = tl.maximum(best, m - 1)
-    else:
-        tl.debug_barrier()
-        tl.store(w_sl + o_s, tl.zeros_like(v), mask=live)
-        best = tl.maximum(best, tl.max(v, axis=0) - 1)
-    return best
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    tl.debug_barrier()
+    tl.store(w_sl + o_s, tl.zeros_like(v), mask=live)
+    return tl.maximum(best, tl.max(v, axis=0) - 1)
 
 
 def lookup_scan_fwd(
@@ -661,12 +608,9 @@ def lookup_scan_fwd(
     kw["COVER"] = int(bool(kw.get("COVER")) and P * block >= S - 1)
     if kw.get("WORDS") and (kw.get("POLL") or num_draft > 8):  # WORDS folds the ticket path, k <= 8 words
         kw["WORDS"] = 0
-    # DIRECT folds into the outputs on WORDS's path (1), and on POLL's too (2); its packed
+    # DIRECT folds into the outputs on WORDS's path (not POLL's: c21, NOTES.md); its packed
     # num_valid holds positions < 2**22.
-    direct = kw.get("DIRECT", 0)
-    kw["DIRECT"] = int(S < 2 ** (POS_BITS - NV_BITS) and (
-        (direct >= 1 and bool(kw.get("WORDS"))) or (direct == 2 and bool(kw.get("POLL")))))
-    kw["ASM"] = int(not _interpreting())  # the POLL finisher's fence (inline PTX: not in the interpreter)
+    kw["DIRECT"] = int(bool(kw.get("DIRECT")) and bool(kw.get("WORDS")) and S < 2 ** (POS_BITS - NV_BITS))
     maxnreg = kw.pop("MAXNREG", None)
     LAST_KERNEL[0] = lookup_scan_kernel[(P, B)](
         token_ids, token_ids.stride(0), req_indices if req_indices is not None else seq_lens, seq_lens,
