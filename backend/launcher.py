@@ -41,6 +41,7 @@ def engine_argv(profile: Profile, model_path: Path | str, port: int, python: str
         "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
     ]
     opt = {
+        "--dtype": None if e.dtype == "auto" else e.dtype,
         "--attention-backend": e.attention_backend,
         "--block-size": e.block_size,
         "--gpu-memory-utilization": e.gpu_memory_utilization,

@@ -97,6 +97,8 @@ class Engine(_Strict):
     max_model_len: int = Field(ge=256)
     max_num_seqs: int = Field(ge=1, le=1024)
     max_num_batched_tokens: int = Field(ge=16)
+    # the weights' and activations' dtype (vLLM --dtype); "auto" = the checkpoint's
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     kv_cache_dtype: KVCacheDtype
     mamba_ssm_cache_dtype: StateDtype = "auto"
     attention_backend: str | None = None

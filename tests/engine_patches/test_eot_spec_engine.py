@@ -82,7 +82,8 @@ def _child(model: str) -> None:
 
     stm.MambaManager.resolve_eot_snapshot = recording  # the engine core runs in this process
     llm = LLM(model=model, max_model_len=1024, max_num_seqs=2, enforce_eager=True, enable_prefix_caching=True,
-              prefix_match_unit=UNIT, mamba_cache_mode="align", disable_log_stats=False, seed=0,
+              prefix_match_unit=UNIT, mamba_cache_mode="align", mamba_ssm_cache_dtype="bfloat16",  # as cpu-hybrid
+              disable_log_stats=False, seed=0,
               speculative_config={"method": "ngram", "num_speculative_tokens": 7,
                                   "prompt_lookup_max": 4, "prompt_lookup_min": 2})
     rng = random.Random(3)

