@@ -54,7 +54,7 @@ def smem_bytes_wg(d: int, n8: int, stages: int) -> int:
     return stages * BN * (2 * d + 16) + rows * 2 * d + rows * 2 * BN + 5 * rows * 4 + 8 * 4
 
 
-CV_THREADS = 384  # verify_attn_cv: two math warpgroups and the converter warpgroup
+CV_THREADS = 128  # verify_attn_cv: threads per warpgroup (two math ones and 1-2 converters)
 CV_MAX_PREFETCH = 8  # its L2 prefetch distance in ring half-stages (the producer's block-id window)
 
 
@@ -77,6 +77,23 @@ def cv_applies(kind: str, n8: int, d: int, page: int) -> bool:
     """verify_attn_cv takes query tiles of 9..48 rows at D = 256 on pages of 16-slot groups (its
     TMA boxes); the other tiles of a call keep the wgmma / decode kernels."""
     return kind == "cv" and n8 >= 2 and d == 256 and page % 16 == 0
+
+
+def default_cv_converters() -> int:
+    """HH_VERIFY_ATTENTION_CV_NCV: verify_attn_cv's converter warpgroups (1 or 2)."""
+    n = int(os.environ.get("HH_VERIFY_ATTENTION_CV_NCV", "1"))
+    if n not in (1, 2):
+        raise ValueError(f"HH_VERIFY_ATTENTION_CV_NCV={n}: 1 or 2")
+    return n
+
+
+def default_cv_mode() -> int:
+    """HH_VERIFY_ATTENTION_CV_MODE: 0, or verify_attn_cv's timing probes (1: no math, 2: no
+    conversion; the output is then not the attention)."""
+    mode = int(os.environ.get("HH_VERIFY_ATTENTION_CV_MODE", "0"))
+    if mode not in (0, 1, 2):
+        raise ValueError(f"HH_VERIFY_ATTENTION_CV_MODE={mode}: 0, 1 or 2")
+    return mode
 
 
 def default_cv_prefetch() -> int:
@@ -628,7 +645,8 @@ def verify_attention_cuda(
     elif cv:  # same partials (fp32) and combines as the wgmma kernel; static splits
         stages = stages or pick_stages_cv(d, n8)
         smem = smem_bytes_cv(d, n8, stages)
-        split_kernel = _compiled(f"verify_attn_cv<{d}, {n8}, {stages}, {bf16}>", smem)
+        ncv = default_cv_converters()
+        split_kernel = _compiled(f"verify_attn_cv<{d}, {n8}, {stages}, {bf16}, {ncv}, {default_cv_mode()}>", smem)
         sched, ph = "static", False
         ckind = combine_kernel or default_combine()
         row = 32 <= 2 * num_splits <= ROW_COMBINE_MAX_SPLITS and ckind in ("row", "col")
@@ -663,7 +681,7 @@ def verify_attention_cuda(
     ng = -(-num_splits // gs) if gs else 0
     split_kernel(
         grid=((1 if dec else hkv) * n_qt * num_splits, num_seqs, 1),
-        block=(32 * (DECODE_WARPS + 1) if dec else CV_THREADS if cv else THREADS, 1, 1),
+        block=(32 * (DECODE_WARPS + 1) if dec else CV_THREADS * (2 + ncv) if cv else THREADS, 1, 1),
         args=[
             q, k, block_table, seqused_k, cu_seqlens_q, out, part_acc, part_ml,
             float(softmax_scale * LOG2E), int(window), int(num_splits), n_qt, block_q, group,

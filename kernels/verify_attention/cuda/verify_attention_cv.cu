@@ -201,9 +201,14 @@ DI void wgmma_s8<6>(int (&d)[12][4], u64 da, u64 db, int acc) {
 }
 }  // namespace va
 
-// NH: ring half-stages of 32 keys (5 at D = 256, 48 rows: 222 KB with the rest).
-template <int D, int N8, int NH, bool BF16>
-__global__ void __launch_bounds__(384, 1) verify_attn_cv(
+// NH: ring half-stages of 32 keys (5 at D = 256, 48 rows: 222 KB with the rest). NCV: converter
+// warpgroups (1: 384 threads; 2: 512, converter cw serving the math group of its tiles). MODE:
+// 0, or a read-and-handshake probe for timing only (1: the math groups skip both products and the
+// softmax; 2: the converters skip every copy and conversion).
+#define CREG 40   // NCV = 2: converter registers (2 x MREG + 2 x CREG = 512)
+#define MREG 216  // NCV = 2: math registers
+template <int D, int N8, int NH, bool BF16, int NCV = 1, int MODE = 0>
+__global__ void __launch_bounds__(128 * (2 + NCV), 1) verify_attn_cv(
     VA_SPLIT_ARGS,
     const void* __restrict__ tmap,  // CUtensorMap over the cache: [blocks][page slots][8-byte words]
     int pf) {                       // L2 prefetch distance in half-stages (0: none; <= 8)
@@ -372,12 +377,14 @@ __global__ void __launch_bounds__(384, 1) verify_attn_cv(
   }
   __syncthreads();  // Q's two parts and their scales; red_s free
 
-  if (wg == 2) {
-    // =============================== converter (+ producer) ===============================
-    maxnreg_dec<56>();
+  if (wg >= 2) {
+    // ========================== converter cw: tiles cw, cw + NCV, ... ==========================
+    if (NCV == 1) maxnreg_dec<56>(); else maxnreg_dec<CREG>();
+    const int cw = wg - 2;
     const int col = lane + 32 * (warp & 1);  // this thread's V word column (dims 4 col .. + 3)
     const int qb = 2 * (warp >> 1);          // its logical 8-key groups in a half: 4 hf + qb + 0, 1
-    for (int t = 0; t < ntiles; ++t) {
+    int nx = min(NH, nhalf);                 // producer (cw 0, warp 0): next half-stage to issue
+    for (int t = cw; t < ntiles; t += NCV) {
       const int bb = t & 1;
       const u32 kbuf = k8_s + bb * K8, vtb = vt_s + bb * VT;
       if (t >= 2) mbar_wait(kempty0 + 8 * bb, ((t >> 1) + 1) & 1);  // math group done with t - 2's K
@@ -385,6 +392,7 @@ __global__ void __launch_bounds__(384, 1) verify_attn_cv(
       for (int hf = 0; hf < 2; ++hf) {
         const int u = 2 * t + hf;
         mbar_wait(full0 + 8 * (u % NH), (u / NH) & 1);
+        if (MODE == 2) continue;
         const u32 row = ring_s + (u % NH) * (HB * RP) + lane * RP + shift;  // key 32 hf + lane's record
         const int key = HB * hf + lane;
         // K int8 -> the K-major core-matrix layout of the QK product's A operand (keys on M).
@@ -407,6 +415,7 @@ __global__ void __launch_bounds__(384, 1) verify_attn_cv(
         const u32 st = ring_s + (u % NH) * (HB * RP) + shift + D + 4 + 4 * col;
 #pragma unroll
         for (int qq = 0; qq < 2; ++qq) {
+          if (MODE == 2) break;
           const int qg = 4 * hf + qb + qq;  // logical keys 8 qg .. 8 qg + 7
           u32 w[8];
 #pragma unroll
@@ -433,20 +442,29 @@ __global__ void __launch_bounds__(384, 1) verify_attn_cv(
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(empty0 + 8 * (u % NH));
-        if (warp == 0 && u + NH < nhalf) {
-          mbar_wait(empty0 + 8 * (u % NH), (u / NH) & 1);  // all four converter warps are done
-          issue(u + NH);
-        }
+        // The producer refills, in order, every ring slot whose half-stage is at most u (with two
+        // converters, the other one's slots too: it waits for their release).
+        if (cw == 0 && warp == 0)
+          for (; nx < nhalf && nx - NH <= u; ++nx) {
+            mbar_wait(empty0 + 8 * (nx % NH), ((nx / NH) + 1) & 1);  // half-stage nx - NH released
+            issue(nx);
+          }
       }
       fence_proxy_async();  // V^T (generic stores) -> the PV wgmma's reads
       __syncwarp();
       if (lane == 0) mbar_arrive(vfull0 + 8 * bb);
     }
+    // The producer's last refills (slots released after its own last tile: the other converter's).
+    if (cw == 0 && warp == 0)
+      for (; nx < nhalf; ++nx) {
+        mbar_wait(empty0 + 8 * (nx % NH), ((nx / NH) + 1) & 1);
+        issue(nx);
+      }
     return;
   }
 
   // ================================ math group wg: tiles wg, wg + 2, ... ================================
-  maxnreg_inc<224>();
+  if (NCV == 1) maxnreg_inc<224>(); else maxnreg_inc<MREG>();
   const int bid = 1 + wg;
   float* const red = red_s + wg * 4 * R;
   const u32 kbuf = k8_s + wg * K8, vtb = vt_s + wg * VT, pbuf = p_s + wg * (R * 2 * BN);
@@ -476,6 +494,14 @@ __global__ void __launch_bounds__(384, 1) verify_attn_cv(
     const int kb = n_start + t * BN;
     const u32 par = (t >> 1) & 1;
     mbar_wait(kfull0 + 8 * wg, par);
+    if (MODE == 1) {  // probe: hand the buffers straight back
+      __syncwarp();
+      if (lane == 0) mbar_arrive(kempty0 + 8 * wg);
+      mbar_wait(vfull0 + 8 * wg, par);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(vempty0 + 8 * wg);
+      continue;
+    }
 
     // ---- S^T = K Q^T in int8: keys on M (warp w: keys 16 w + g, + 8), Q's two parts on N.
     // The descriptor words are made opaque per tile: hoisted out of the loop, the 48 64-bit
