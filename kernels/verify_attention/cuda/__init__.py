@@ -89,10 +89,10 @@ def default_cv_converters() -> int:
 
 def default_cv_mode() -> int:
     """HH_VERIFY_ATTENTION_CV_MODE: 0, or verify_attn_cv's timing probes (1: no math, 2: no
-    conversion; the output is then not the attention)."""
+    conversion, 3: neither, the TMA stream alone; the output is then not the attention)."""
     mode = int(os.environ.get("HH_VERIFY_ATTENTION_CV_MODE", "0"))
-    if mode not in (0, 1, 2):
-        raise ValueError(f"HH_VERIFY_ATTENTION_CV_MODE={mode}: 0, 1 or 2")
+    if mode not in (0, 1, 2, 3):
+        raise ValueError(f"HH_VERIFY_ATTENTION_CV_MODE={mode}: 0, 1, 2 or 3")
     return mode
 
 

@@ -204,7 +204,7 @@ DI void wgmma_s8<6>(int (&d)[12][4], u64 da, u64 db, int acc) {
 // NH: ring half-stages of 32 keys (5 at D = 256, 48 rows: 222 KB with the rest). NCV: converter
 // warpgroups (1: 384 threads; 2: 512, converter cw serving the math group of its tiles). MODE:
 // 0, or a read-and-handshake probe for timing only (1: the math groups skip both products and the
-// softmax; 2: the converters skip every copy and conversion).
+// softmax; 2: the converters skip every copy and conversion; 3: both, the stream alone).
 #define CREG 40   // NCV = 2: converter registers (2 x MREG + 2 x CREG = 512)
 #define MREG 216  // NCV = 2: math registers
 template <int D, int N8, int NH, bool BF16, int NCV = 1, int MODE = 0>
@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(128 * (2 + NCV), 1) verify_attn_cv(
       for (int hf = 0; hf < 2; ++hf) {
         const int u = 2 * t + hf;
         mbar_wait(full0 + 8 * (u % NH), (u / NH) & 1);
-        if (MODE == 2) continue;
+        if (MODE >= 2) continue;
         const u32 row = ring_s + (u % NH) * (HB * RP) + lane * RP + shift;  // key 32 hf + lane's record
         const int key = HB * hf + lane;
         // K int8 -> the K-major core-matrix layout of the QK product's A operand (keys on M).
@@ -415,7 +415,7 @@ __global__ void __launch_bounds__(128 * (2 + NCV), 1) verify_attn_cv(
         const u32 st = ring_s + (u % NH) * (HB * RP) + shift + D + 4 + 4 * col;
 #pragma unroll
         for (int qq = 0; qq < 2; ++qq) {
-          if (MODE == 2) break;
+          if (MODE >= 2) break;
           const int qg = 4 * hf + qb + qq;  // logical keys 8 qg .. 8 qg + 7
           u32 w[8];
 #pragma unroll
@@ -494,7 +494,7 @@ __global__ void __launch_bounds__(128 * (2 + NCV), 1) verify_attn_cv(
     const int kb = n_start + t * BN;
     const u32 par = (t >> 1) & 1;
     mbar_wait(kfull0 + 8 * wg, par);
-    if (MODE == 1) {  // probe: hand the buffers straight back
+    if (MODE == 1 || MODE == 3) {  // probe: hand the buffers straight back
       __syncwarp();
       if (lane == 0) mbar_arrive(kempty0 + 8 * wg);
       mbar_wait(vfull0 + 8 * wg, par);
