@@ -382,64 +382,6 @@ def test_cuda_mma_kernel(seq_lens, q_lens, hq, hkv, d, page, window, splits, mon
     run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits)
 
 
-# verify_attn_cv (HH_VERIFY_ATTENTION_MMA=cv): the converter-warpgroup kernel where a query tile
-# holds 9..48 rows at D = 256; the other tiles of the same call take the wgmma / decode kernels.
-CV_CASES = CUDA_CASES + [c for c in REAL if c.id.startswith("qwen")] + [
-    pytest.param([1000, 2049], [16, 2], 24, 4, 256, 16, (1023, 0), 3, id="window1024-T16,2-S3"),
-    pytest.param([70_001], [12], 24, 4, 256, 48, (-1, -1), None, id="P48-T12-70K"),
-]  # fmt: skip
-
-
-@gpu_only
-@pytest.mark.parametrize("pf", ["0", "6"], ids=["pf0", "pf6"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), CV_CASES)
-def test_cuda_cv_kernel(seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, pf, monkeypatch):
-    use_cuda_kernel(monkeypatch, mma="cv", cv_pf=pf)
-    calls = spy_compiled(monkeypatch)
-    run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
-    if d == 256 and max(q_lens) * (hq // hkv) > 8:
-        assert calls[0].startswith("verify_attn_cv<"), calls
-
-
-@gpu_only
-def test_cuda_cv_graph_replay(monkeypatch):
-    """verify_attn_cv in a CUDA graph: replays after the inputs change give the new answer (its
-    barriers and tensor map are per launch / per cache)."""
-    use_cuda_kernel(monkeypatch, mma="cv")
-    cache, bt, cu, seq, q = build_problem([30_000, 4_001], [8, 9], 24, 4, 256, 16, torch.bfloat16)
-    out = torch.full_like(q, float("nan"))
-
-    def call():
-        verify_attention(q, cache.k, cache.v, out, cu, 9, seq, 30_000, None, (-1, -1), bt,
-                         cache.k_scale, cache.v_scale)  # fmt: skip
-
-    call()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    for seed in (1, 2):
-        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = naive_verify_attention(q, cache, cu, seq, bt)
-        assert ((out.float() - ref).norm() / ref.norm()).item() < TOL[torch.bfloat16]
-
-
-def test_cuda_cv_shared_memory():
-    """verify_attn_cv: one CTA per SM, a 5-deep ring of 32-key half-stages at 48 rows (D = 256)."""
-    from kernels.verify_attention.cuda import cv_applies, pick_stages_cv, smem_bytes_cv
-
-    assert smem_bytes_cv(256, 6, 5) == 5 * 32 * 528 + 2 * 32_768 + 2 * 16_384 + 96 * 256 + 2 * 6_144 + 144 + 2_752
-    assert pick_stages_cv(256, 6) == 5
-    assert smem_bytes_cv(256, 6, 6) > 227 * 1024
-    assert cv_applies("cv", 6, 256, 16) and cv_applies("cv", 2, 256, 1616)
-    assert not cv_applies("cv", 1, 256, 16)  # plain decode: the decode / wgmma kernels
-    assert not cv_applies("cv", 6, 128, 16) and not cv_applies("cv", 6, 256, 24)
-    assert not cv_applies("wgmma", 6, 256, 16)
-
-
 def test_cuda_ring_depth():
     """Two CTAs per SM: 2 stages at 48 query rows, 3 at one n8 tile of rows (D = 256)."""
     from kernels.verify_attention.cuda import pick_stages, smem_bytes_wg

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 SOURCE = Path(__file__).with_name("verify_attention.cu")
-SOURCE_CV = Path(__file__).with_name("verify_attention_cv.cu")  # appended: verify_attn_cv
 BULK_HELPERS = Path(__file__).with_name("sm90_bulk.cuh")  # put in front of the kernel source
 THREADS = 128  # VA_THREADS in the .cu
 BN = 64  # VA_BN: keys per tile
@@ -52,57 +51,6 @@ def smem_bytes_wg(d: int, n8: int, stages: int) -> int:
     """Dynamic shared memory of one verify_attn_split_wg CTA (ring, Q, P, maxima / sums, idx)."""
     rows = 8 * n8
     return stages * BN * (2 * d + 16) + rows * 2 * d + rows * 2 * BN + 5 * rows * 4 + 8 * 4
-
-
-CV_THREADS = 128  # verify_attn_cv: threads per warpgroup (two math ones and 1-2 converters)
-CV_MAX_PREFETCH = 8  # its L2 prefetch distance in ring half-stages (the producer's block-id window)
-
-
-def smem_bytes_cv(d: int, n8: int, stages: int) -> int:
-    """Dynamic shared memory of one verify_attn_cv CTA (mirrors the carve-up in
-    verify_attention_cv.cu): ring of ``stages`` 32-key half-stages, two fp16 V^T buffers, two int8
-    K buffers, Q's two int8 parts, two P buffers, 2 stages + 8 mbarriers, then the floats (K and V
-    scales of both K buffers, the groups' row maxima / sums, Q's row scales)."""
-    rows = 8 * n8
-    return (stages * (BN // 2) * (2 * d + 16) + 2 * d * BN * 2 + 2 * BN * d + 2 * rows * d
-            + 2 * rows * 2 * BN + 8 * (2 * stages + 8) + 4 * (4 * BN + 8 * rows + rows))  # fmt: skip
-
-
-def pick_stages_cv(d: int, n8: int) -> int:
-    """verify_attn_cv's ring depth in half-stages: the deepest (<= 8) of one CTA per SM."""
-    return pick_stages(d, n8, smem_bytes_cv, ctas_per_sm=1, most=8)
-
-
-def cv_applies(kind: str, n8: int, d: int, page: int) -> bool:
-    """verify_attn_cv takes query tiles of 9..48 rows at D = 256 on pages of 16-slot groups (its
-    TMA boxes); the other tiles of a call keep the wgmma / decode kernels."""
-    return kind == "cv" and n8 >= 2 and d == 256 and page % 16 == 0
-
-
-def default_cv_converters() -> int:
-    """HH_VERIFY_ATTENTION_CV_NCV: verify_attn_cv's converter warpgroups (1 or 2)."""
-    n = int(os.environ.get("HH_VERIFY_ATTENTION_CV_NCV", "1"))
-    if n not in (1, 2):
-        raise ValueError(f"HH_VERIFY_ATTENTION_CV_NCV={n}: 1 or 2")
-    return n
-
-
-def default_cv_mode() -> int:
-    """HH_VERIFY_ATTENTION_CV_MODE: 0, or verify_attn_cv's timing probes (1: no math, 2: no
-    conversion, 3: neither, the TMA stream alone; the output is then not the attention)."""
-    mode = int(os.environ.get("HH_VERIFY_ATTENTION_CV_MODE", "0"))
-    if mode not in (0, 1, 2, 3):
-        raise ValueError(f"HH_VERIFY_ATTENTION_CV_MODE={mode}: 0, 1, 2 or 3")
-    return mode
-
-
-def default_cv_prefetch() -> int:
-    """HH_VERIFY_ATTENTION_CV_PF: verify_attn_cv's L2 prefetch distance in 32-key half-stages
-    (0 = none, up to CV_MAX_PREFETCH)."""
-    pf = int(os.environ.get("HH_VERIFY_ATTENTION_CV_PF", "0"))
-    if not 0 <= pf <= CV_MAX_PREFETCH:
-        raise ValueError(f"HH_VERIFY_ATTENTION_CV_PF={pf}: 0..{CV_MAX_PREFETCH}")
-    return pf
 
 
 DECODE_WARPS = 8  # verify_attn_decode: consumer warps per CTA (warp w computes KV head w % Hkv)
@@ -138,11 +86,10 @@ def pick_stages(d: int, tiles: int, smem=smem_bytes, ctas_per_sm: int = CTAS_PER
 
 
 def default_kernel() -> str:
-    """HH_VERIFY_ATTENTION_MMA: wgmma (default), cv (verify_attn_cv where a query tile holds 9..48
-    rows at D = 256: cv_applies; wgmma elsewhere) or mma (the mma.sync kernel of ea506d7)."""
+    """HH_VERIFY_ATTENTION_MMA: wgmma (default) or mma (the mma.sync kernel of ea506d7)."""
     kind = os.environ.get("HH_VERIFY_ATTENTION_MMA", "wgmma").lower()
-    if kind not in ("wgmma", "cv", "mma"):
-        raise ValueError(f"HH_VERIFY_ATTENTION_MMA={kind!r}: wgmma, cv or mma")
+    if kind not in ("wgmma", "mma"):
+        raise ValueError(f"HH_VERIFY_ATTENTION_MMA={kind!r}: wgmma or mma")
     return kind
 
 
@@ -276,7 +223,7 @@ def merge_fits(d: int, n8: int, stages: int, num_splits: int, gs: int) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _source() -> str:
-    return BULK_HELPERS.read_text() + SOURCE.read_text() + SOURCE_CV.read_text()
+    return BULK_HELPERS.read_text() + SOURCE.read_text()
 
 
 @functools.lru_cache(maxsize=None)
@@ -470,40 +417,6 @@ def _set_attr(func: Any, attr: int, value: int) -> None:
         raise RuntimeError(f"cuFuncSetAttribute({attr}, {value}) failed: CUresult {err}")
 
 
-# verify_attn_cv's tensor maps: CUtensorMap (128 bytes) over a cache's K view as a 3D tensor of
-# 8-byte words [blocks][page slots][words of a slot], box [1][16][RP / 8]: one TMA copy brings one
-# head's 528-byte record windows (16-byte aligned) of 16 slots of a page. Kept on the device (the
-# kernel takes its global address) per (cache pointer, shape, strides); made on the first (eager)
-# call, since a graph capture cannot copy one to the device.
-_TMAPS: dict[tuple, torch.Tensor] = {}
-
-
-def tensor_map(k: torch.Tensor, d: int) -> torch.Tensor:
-    key = (k.data_ptr(), tuple(k.shape), tuple(k.stride()), d)
-    buf = _TMAPS.get(key)
-    if buf is not None:
-        return buf
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("verify_attention: the cv kernel's tensor map must be made before graph capture")
-    num_blocks, page = k.shape[0], k.shape[1]
-    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    dims = (u64 * 3)(k.stride(1) // 8, page, num_blocks)  # supported(): 16-byte aligned slots
-    strides = (u64 * 2)(k.stride(1), k.stride(0))  # bytes (int8 view)
-    box = (u32 * 3)((2 * d + 16) // 8, 16, 1)
-    elem = (u32 * 3)(1, 1, 1)
-    tmap = (ctypes.c_uint8 * 128)()
-    # cuTensorMapEncodeTiled(map, UINT64, rank, addr, dims, strides, box, elemStrides, interleave
-    # none, swizzle none, L2 promotion none, OOB fill none)
-    err = _libcuda().cuTensorMapEncodeTiled(
-        ctypes.byref(tmap), 4, u32(3), ctypes.c_void_p(k.data_ptr()), dims, strides, box, elem, 0, 0, 0, 0
-    )
-    if err:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed: CUresult {err}")
-    buf = torch.frombuffer(bytearray(bytes(tmap)), dtype=torch.uint8).to(k.device)
-    _TMAPS[key] = buf
-    return buf
-
-
 def _tile(group: int, max_seqlen_q: int) -> tuple[int, int, int, int]:
     """(tokens per query tile, query tiles, m16 tiles, n8 tiles) for a request of max_seqlen_q."""
     block_q = max(1, min(max(1, max_seqlen_q), MAX_ROWS // group))
@@ -552,13 +465,13 @@ def supported(
 
 
 def num_splits_for(
-    num_seqs: int, num_kv_heads: int, num_q_tiles: int, keys: int, sms: int, ctas_per_sm: int = CTAS_PER_SM
+    num_seqs: int, num_kv_heads: int, num_q_tiles: int, keys: int, sms: int
 ) -> int:
     """KV splits per (request, KV head, query tile): the fewest waves x tiles per CTA.
 
     Cost model: waves of CTAS_PER_SM x sms CTAs, each wave as long as its CTAs' tiles plus about
     two tiles of fixed cost (Q load, epilogue, the partials). At least 4 tiles per split."""
-    slots = ctas_per_sm * sms
+    slots = CTAS_PER_SM * sms
     units = num_seqs * num_kv_heads * num_q_tiles
     best_cost, best = None, 1
     for s in range(1, max(1, math.ceil(keys / (4 * BN))) + 1):
@@ -620,12 +533,10 @@ def verify_attention_cuda(
     num_splits_given = num_splits
     keys = max_seqlen_k if window <= 0 else min(max_seqlen_k, window + block_q)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if num_splits is None else 0
-    kind = kernel or default_kernel()
-    cv = cv_applies(kind, n8, d, k.shape[1])
-    if num_splits is None:  # verify_attn_cv: one CTA per SM
-        num_splits = num_splits_for(num_seqs, hkv, n_qt, keys, sms, 1 if cv else CTAS_PER_SM)
+    if num_splits is None:
+        num_splits = num_splits_for(num_seqs, hkv, n_qt, keys, sms)
     bf16 = "true" if q.dtype == torch.bfloat16 else "false"
-    wgmma = kind in ("wgmma", "cv")
+    wgmma = (kernel or default_kernel()) == "wgmma"
     sched = (sched or default_sched(n8)) if num_splits > 1 else "static"
     gs = 0  # fused merge: splits per first-level group (0: the combine kernel merges)
     # The decode kernel's 16-key chunks are whole pages' slices (page sizes that are multiples of
@@ -642,14 +553,6 @@ def verify_attention_cuda(
         sched, ph = "static", False
         ckind = combine_kernel or default_combine(decode=True)
         row = 32 <= num_splits <= ROW_COMBINE_MAX_SPLITS and ckind in ("row", "col")
-    elif cv:  # same partials (fp32) and combines as the wgmma kernel; static splits
-        stages = stages or pick_stages_cv(d, n8)
-        smem = smem_bytes_cv(d, n8, stages)
-        ncv = default_cv_converters()
-        split_kernel = _compiled(f"verify_attn_cv<{d}, {n8}, {stages}, {bf16}, {ncv}, {default_cv_mode()}>", smem)
-        sched, ph = "static", False
-        ckind = combine_kernel or default_combine()
-        row = 32 <= 2 * num_splits <= ROW_COMBINE_MAX_SPLITS and ckind in ("row", "col")
     elif wgmma:
         stages = stages or pick_stages(d, n8, smem_bytes_wg)
         smem = smem_bytes_wg(d, n8, stages)
@@ -668,12 +571,10 @@ def verify_attention_cuda(
         split_kernel = _compiled(f"verify_attn_split<{d}, {mt}, {n8}, {stages}, {bf16}>", smem)
         ph = row = False
         ckind = "legacy"
-    # verify_attn_cv's two math groups write a partial each: split s's are partials 2 s, 2 s + 1.
-    n_part = 2 * num_splits if cv else num_splits
-    if n_part > 1:
+    if num_splits > 1:
         pdt = torch.float16 if ph else torch.float32
         persistent = default_workspace() if workspace is None else workspace
-        part_acc, part_ml = partial_buffers(q.device, (num_tokens, num_q_heads, n_part, d), pdt, persistent)
+        part_acc, part_ml = partial_buffers(q.device, (num_tokens, num_q_heads, num_splits, d), pdt, persistent)
     else:
         part_acc = part_ml = out  # unused
     # Counters (one int32 buffer): [units] DYN tiles, then [units][NG + 1] fused-merge arrivals.
@@ -681,13 +582,13 @@ def verify_attention_cuda(
     ng = -(-num_splits // gs) if gs else 0
     split_kernel(
         grid=((1 if dec else hkv) * n_qt * num_splits, num_seqs, 1),
-        block=(32 * (DECODE_WARPS + 1) if dec else CV_THREADS * (2 + ncv) if cv else THREADS, 1, 1),
+        block=(32 * (DECODE_WARPS + 1) if dec else THREADS, 1, 1),
         args=[
             q, k, block_table, seqused_k, cu_seqlens_q, out, part_acc, part_ml,
             float(softmax_scale * LOG2E), int(window), int(num_splits), n_qt, block_q, group,
             k.shape[1], hkv, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k.stride(0), k.stride(1), k.stride(2), block_table.stride(0),
-        ] + ([tensor_map(k, d), default_cv_prefetch()] if cv else [
+        ] + ([
             _counters(q.device, units * (ng + 2)) if sched == "dyn" else out,
             trace if trace is not None else out, int(trace is not None),
             gs, _counters(q.device, units * (ng + 2))[units:] if gs else out,
@@ -696,10 +597,10 @@ def verify_attention_cuda(
         ] if dec else []),
         shared_mem=smem,
     )  # fmt: skip
-    if n_part > 1 and num_tokens and combine and not gs and not (dec and decode_mode):  # probes: no merge
+    if num_splits > 1 and num_tokens and combine and not gs and not (dec and decode_mode):  # probes: no merge
         # From 32 splits verify_attn_combine_r (default), _c or _w (one warp per row x 8 dims,
         # lane = split); below, ea506d7's combine: combine_w's lanes idle there (H200, drafter
         # w=2048 T=8 b4: 30.8 vs 25.5 µs; NOTES.md).
-        ckind = ckind if row else "w" if wgmma and n_part >= 32 else "legacy"
-        launch_combine(ckind, out, part_acc, part_ml, pdl, combine_cols, combine_trace)
+        kind = ckind if row else "w" if wgmma and num_splits >= 32 else "legacy"
+        launch_combine(kind, out, part_acc, part_ml, pdl, combine_cols, combine_trace)
     return out
