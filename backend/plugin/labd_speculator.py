@@ -88,14 +88,13 @@ def _v2_class() -> type:
             self.labd = settings
             self.labd_stats = _LabdStats()
             self._lookup = _lookup_scan()
-            from kernels.lookup_scan import workspace_numel  # after _lookup_scan (TRITON_INTERPRET)
+            from kernels.lookup_scan import workspace_numel, zero_outputs  # after _lookup_scan (TRITON_INTERPRET)
 
             self._lookup_ws_numel = workspace_numel
             self._lookup_ws = torch.zeros(workspace_numel(self.max_num_reqs), dtype=torch.int64, device=self.device)
-            self._lookup_tokens = torch.zeros(
-                self.max_num_reqs, self.num_speculative_steps, dtype=torch.int64, device=self.device
+            self._lookup_tokens, self._lookup_valid = zero_outputs(
+                self.max_num_reqs, self.num_speculative_steps, self.device
             )
-            self._lookup_valid = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=self.device)
 
         @torch.inference_mode()
         def propose(

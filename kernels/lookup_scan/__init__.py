@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from kernels.lookup_scan.reference import naive_lookup_scan
-from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
+from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel, zero_outputs
 
-__all__ = ["lookup_scan", "naive_lookup_scan", "workspace_numel"]
+__all__ = ["lookup_scan", "naive_lookup_scan", "workspace_numel", "zero_outputs"]
 
 
 def lookup_scan(

@@ -32,7 +32,7 @@ import torch
 import triton
 
 from kernels.lookup_scan import lookup_scan, naive_lookup_scan
-from kernels.lookup_scan.triton import CANDIDATES, DEFAULT, candidate, lookup_scan_fwd, workspace_numel
+from kernels.lookup_scan.triton import CANDIDATES, DEFAULT, candidate, lookup_scan_fwd, workspace_numel, zero_outputs
 from kernels.timing import time_graph
 
 K_DRAFT = 7
@@ -293,9 +293,7 @@ def main() -> None:
                     lens_c = torch.full((B,), S, dtype=torch.int32)
                     tok, lens = tok_c.cuda(), lens_c.cuda()
                     ws = torch.zeros(workspace_numel(B), dtype=torch.int64, device="cuda")
-                    # zeros: the outputs are persistent and must start below DIRECT's fold range
-                    out = (torch.zeros(B, K_DRAFT, dtype=torch.int64, device="cuda"),
-                           torch.zeros(B, dtype=torch.int32, device="cuda"))
+                    out = zero_outputs(B, K_DRAFT, "cuda")  # persistent, as the engine's
                     ours = lambda: lookup_scan(tok, lens, min_n, max_n, K_DRAFT, workspace=ws, out=out)  # noqa: E731
                     cand_t = {c: _time_candidate(c, tok, lens, min_n, max_n, B, S) for c in cands} if args.cand_first else {}
                     t_ours = time_graph(ours)

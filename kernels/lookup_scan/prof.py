@@ -150,17 +150,13 @@ def _setup(row: str, kind: str):
 def _fn(tok, lens, mn, mx, config, opts, out):
     from kernels.lookup_scan.triton import lookup_scan_fwd
 
-    from kernels.lookup_scan.triton import workspace_numel
+    from kernels.lookup_scan.triton import workspace_numel, zero_outputs
 
     ws = torch.zeros(workspace_numel(tok.shape[0]), dtype=torch.int64, device="cuda")
-    out = out if out is not None else _outputs(tok.shape[0])
+    # persistent zero outputs (an engine's), allocated here: the launcher's own would add a memset
+    # node to every graph replay
+    out = out if out is not None else zero_outputs(tok.shape[0], K_DRAFT, "cuda")
     return lambda: lookup_scan_fwd(tok, lens, mn, mx, K_DRAFT, None, ws, out, None, config, opts)
-
-
-def _outputs(B: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Persistent zero outputs (an engine's): allocated once, not inside a captured graph (the
-    launcher's own zeros would add a memset node to every replay)."""
-    return (torch.zeros(B, K_DRAFT, dtype=torch.int64, device="cuda"), torch.zeros(B, dtype=torch.int32, device="cuda"))
 
 
 def _compile_one(job) -> str:
@@ -269,7 +265,7 @@ def stamp_rows(replays: int = 30, names: tuple[str, ...] = ("c5",)) -> None:
     without stamps beside them (the stamps' own cost)."""
     import statistics
 
-    from kernels.lookup_scan.triton import block_tokens, candidate, lookup_scan_fwd, workspace_numel
+    from kernels.lookup_scan.triton import block_tokens, candidate, lookup_scan_fwd, workspace_numel, zero_outputs
 
     scrub = torch.empty(96 << 20, dtype=torch.int8, device="cuda")
     for row, name in ((r, n) for r in ("a", "b") for n in names):
@@ -282,7 +278,7 @@ def stamp_rows(replays: int = 30, names: tuple[str, ...] = ("c5",)) -> None:
             st = torch.zeros(B, P, 8, dtype=torch.int64, device="cuda")
             ws = torch.zeros(workspace_numel(B), dtype=torch.int64, device="cuda")
             sw = {**opts, "STAMPS": 1}
-            out = _outputs(B)
+            out = zero_outputs(B, K_DRAFT, "cuda")
 
             def fn(sw=sw, ws=ws, st=st, tok=tok, lens=lens, mn=mn, mx=mx, out=out):
                 return lookup_scan_fwd(tok, lens, mn, mx, K_DRAFT, None, ws, out, None, config, sw, stamps=st)

@@ -551,6 +551,14 @@ def _poll_slots(w_sl, best, n_act, PP: tl.constexpr):
     return tl.maximum(best, tl.max(v, axis=0) - 1)
 
 
+def zero_outputs(batch: int, num_draft: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Persistent outputs for ``out=``: (drafts [B, num_draft] int64, num_valid [B] int32) zeros.
+    Zeros, not empty: DIRECT folds into the outputs, which must start below the fold's range; the
+    kernel leaves its proposals there, which are fine for the next call."""
+    return (torch.zeros(batch, num_draft, dtype=torch.int64, device=device),
+            torch.zeros(batch, dtype=torch.int32, device=device))
+
+
 def lookup_scan_fwd(
     token_ids: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -598,11 +606,7 @@ def lookup_scan_fwd(
     elif workspace.dim() != 1 or workspace.numel() < need or workspace.dtype != torch.int64 or not workspace.is_contiguous():
         raise ValueError(f"workspace must be contiguous int64 [workspace_numel(B) = {need}] zeros, "
                          f"got {workspace.dtype} {tuple(workspace.shape)}")
-    # Zeros, not empty: DIRECT folds into the outputs (they must start below the fold's range).
-    drafts, num_valid = out if out is not None else (
-        torch.zeros(B, num_draft, dtype=torch.int64, device=dev),
-        torch.zeros(B, dtype=torch.int32, device=dev),
-    )
+    drafts, num_valid = out if out is not None else zero_outputs(B, num_draft, dev)
     # COVER=1 asks for the loop-free kernel; it is only right when the grid covers every end
     # position of the buffer (seq_lens <= S): n_tiles = cdiv(L - 1, BLOCK) <= P.
     kw["COVER"] = int(bool(kw.get("COVER")) and P * block >= S - 1)
