@@ -1,10 +1,12 @@
-"""`python -m proxy --host H --port P --upstream URL --model-dir DIR --model-name NAME [--api-key-file F]
-[--redis-url URL]`: the command `hyperharness serve` runs."""
+"""`python -m proxy --config FILE`: the command `hyperharness serve` runs, with the runtime config it wrote
+(proxy/settings.py)."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
+from pathlib import Path
 
 import uvicorn
 
@@ -14,8 +16,11 @@ from proxy.settings import Settings
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m proxy", description="HyperHarness proxy")
+    parser.add_argument("--config", type=Path, required=True, help="the runtime config `hyperharness serve` writes")
+    args = parser.parse_args(argv)
     try:
-        settings = Settings.from_argv(argv)
+        settings = Settings.load(args.config)
         settings.check_exposure()
     except ValueError as exc:
         print(f"proxy: {exc}", file=sys.stderr)

@@ -1,26 +1,65 @@
-"""The seam where issue 4's scheduler sits: every upstream generation asks `admission.acquire(footprint)`
-first and releases the returned ticket when the response ends (or the client leaves).
+"""The admission seam: every upstream generation asks `admission.acquire(footprint)` first, tells the
+ticket when its prompt is computed (`prefilled`), and releases it when the response ends or the client
+leaves. The scheduler (proxy/scheduler) implements it; `NoAdmission` admits everything at once.
 
-`NoAdmission` admits everything at once; the scheduler will implement the same two calls.
+These types are the only way callers reach the scheduler: no caller inspects which admission it holds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Protocol
+
+
+class Priority(IntEnum):
+    """Service classes, served in this order (lower first):
+
+    interactive  the main agent a person is waiting on (the default)
+    subagent     a child of another session (a parent id on the wire)
+    background   compaction, titles, summaries: nobody watches the tokens arrive
+    """
+
+    INTERACTIVE = 0
+    SUBAGENT = 1
+    BACKGROUND = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, value: str | None) -> Priority | None:
+        """The class a label names (case and surrounding space ignored), else None."""
+        if not value:
+            return None
+        try:
+            return cls[value.strip().upper()]
+        except KeyError:
+            return None
 
 
 @dataclass(frozen=True, slots=True)
 class Footprint:
+    """What a request may come to hold in the engine, known exactly before it is sent."""
+
     session: str
     prompt_tokens: int  # exact: the proxy rendered the prompt
     max_tokens: int  # already capped to the room left in the context
     reused_tokens: int  # prompt tokens spliced from this session's transcript (likely resident)
-    priority: str = "interactive"  # interactive | subagent | background (issue 4 infers it)
+    priority: Priority = Priority.INTERACTIVE
+    prompt: Sequence[int] = ()  # the ids, so a prefix shared by running requests is counted once
 
 
 class Ticket(Protocol):
-    def release(self) -> None: ...
+    def prefilled(self) -> None:
+        """The engine produced a first token: the prompt's blocks are computed (and shareable)."""
+        ...
+
+    def release(self) -> None:
+        """The request ended (or its client left); idempotent."""
+        ...
 
 
 class Admission(Protocol):
@@ -29,11 +68,16 @@ class Admission(Protocol):
         ...
 
 
-class _NullTicket:
+class OpenTicket:
+    """A ticket that holds nothing (no admission, or admission switched off)."""
+
+    def prefilled(self) -> None:
+        return None
+
     def release(self) -> None:
         return None
 
 
 class NoAdmission:
     async def acquire(self, footprint: Footprint) -> Ticket:
-        return _NullTicket()
+        return OpenTicket()

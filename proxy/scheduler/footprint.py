@@ -18,7 +18,6 @@ import hashlib
 import math
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from proxy.admission import Footprint
 
@@ -27,13 +26,6 @@ from .pool import PoolGeometry
 # Prefix hashes are taken per granule of at least this many tokens (a multiple of the block): a 100K
 # prompt then costs ~400 hashes, and rounding down to a granule only over-counts (the safe side).
 MIN_GRANULE_TOKENS = 256
-
-
-@dataclass(frozen=True, slots=True)
-class PromptFootprint(Footprint):
-    """A Footprint that carries the exact prompt ids, so shared prefixes can be counted once."""
-
-    prompt: Sequence[int] = ()
 
 
 def granule_tokens(geom: PoolGeometry) -> int:

@@ -1,24 +1,22 @@
-"""Holding a client while its request waits for admission, without FastAPI.
+"""Holding a client while its request waits for admission, without FastAPI; the same for both wires.
 
-`hold(work, ...)` waits for the prepared turn (admission + upstream open) while watching the client:
+`hold(work, ...)` waits for the opened turn (admission + upstream open) while watching the client:
 - a client that disconnects cancels the wait at once (the scheduler then drops it from the queue);
-- a streaming request still queued after `keepalive_after_s` is answered 200 right away with SSE
-  comment lines (`: queued`) every `keepalive_every_s`, so harness watchdogs that count the time to
-  the first byte do not fire; its body then continues with the real stream, or with an SSE error
-  event if the wait ends in a refusal (the status line is already sent by then).
+- a streaming request still queued after `after_s` is answered 200 right away with SSE comment lines
+  (`: queued`, which every SSE parser skips, OpenAI's and Anthropic's alike) every `every_s`, so
+  harness watchdogs that count the time to the first byte do not fire; its body then continues with the
+  real stream, or with the wire's error event if the wait ends in a refusal (the status line is already
+  sent by then).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from proxy.errors import ProxyError, error_body
-
-from .scheduler import SchedulerConfig
+from proxy.errors import ProxyError
 
 T = TypeVar("T")
 KEEPALIVE = b": queued for engine capacity\n\n"
@@ -39,7 +37,9 @@ class Queued(Generic[T]):
     work: asyncio.Task[T]
     every_s: float
 
-    async def sse(self, stream: Callable[[T], AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    async def body(self, stream: Callable[[T], AsyncIterator[bytes]],
+                   refused: Callable[[ProxyError], bytes]) -> AsyncIterator[bytes]:
+        """Keep-alives until admitted, then `stream(turn)`; `refused(exc)` if the wait ends in an error."""
         streaming = False
         try:
             while True:
@@ -50,8 +50,7 @@ class Queued(Generic[T]):
             try:
                 turn = self.work.result()
             except ProxyError as exc:
-                yield b"data: " + json.dumps(error_body(exc.message, exc.type, code=exc.code)).encode() + b"\n\n"
-                yield b"data: [DONE]\n\n"
+                yield refused(exc)
                 return
             streaming = True
             async for chunk in stream(turn):
@@ -87,17 +86,12 @@ def _spawn_drain(body: AsyncIterator[bytes]) -> None:
 
 
 async def hold(work: Awaitable[T], *, stream: bool, is_disconnected: Callable[[], Awaitable[bool]],
-               admission: object = None) -> T | Queued[T]:
-    """The prepared result, or (streams only) a `Queued` to answer with while it keeps waiting.
-    Raises what `work` raises; cancels `work` and raises ClientGone if the client disconnects first.
-    Keep-alive timing comes from the admission's SchedulerConfig when it has one."""
-    config = getattr(admission, "config", None)
-    if not isinstance(config, SchedulerConfig):
-        config = SchedulerConfig()
-    keepalive_after_s, keepalive_every_s = config.keepalive_after_s, config.keepalive_every_s
+               after_s: float, every_s: float) -> T | Queued[T]:
+    """The opened turn, or (streams only) a `Queued` to answer with while it keeps waiting.
+    Raises what `work` raises; cancels `work` and raises ClientGone if the client disconnects first."""
     task: asyncio.Task[T] = asyncio.ensure_future(work)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + keepalive_after_s
+    deadline = loop.time() + after_s
     try:
         while True:
             timeout = _POLL_S if not stream else max(0.0, min(_POLL_S, deadline - loop.time()))
@@ -109,7 +103,7 @@ async def hold(work: Awaitable[T], *, stream: bool, is_disconnected: Callable[[]
                 await asyncio.gather(task, return_exceptions=True)
                 raise ClientGone("client disconnected while queued")
             if stream and loop.time() >= deadline:
-                return Queued(task, keepalive_every_s)
+                return Queued(task, every_s)
     except asyncio.CancelledError:
         task.cancel()
         raise

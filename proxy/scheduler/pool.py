@@ -1,19 +1,23 @@
 """What the engine's pool holds, in engine blocks: geometry from vLLM's `/metrics` and live gauges.
 
-Geometry comes from `vllm:cache_config_info` (a gauge fixed at 1 whose labels are the CacheConfig,
-vllm032.md §6): `num_gpu_blocks`, `block_size`, `mamba_cache_mode`, `prefix_match_unit`. For hybrid
-models every KV-cache group draws from the same block pool (vLLM's uniform-page grouping), so a seat
-costs `attention blocks × attention groups` plus `state slots × GDN groups`; the slot count per seat
-is backend/geometry.py's rule (2+k in align mode, 1+k otherwise).
+The pool's size comes from `vllm:cache_config_info` (a gauge fixed at 1 whose labels are the
+CacheConfig, vllm032.md §6): `num_gpu_blocks`, `block_size`, `mamba_cache_mode`, `prefix_match_unit`.
+What a seat costs beyond its tokens comes from the runtime config (`EngineGeometry`, computed by
+`serve` from the profile): for hybrid models every KV-cache group draws from the same block pool
+(vLLM's uniform-page grouping), so a seat costs `attention blocks × attention groups` plus
+`state slots × GDN groups` (2+k slots in align mode, 1+k otherwise) plus the drafter's own KV.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass
 
-from backend.geometry import ModelShape
+from proxy.settings import EngineGeometry
+
+log = logging.getLogger("proxy.scheduler")
 
 _SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)')
 _LABEL = re.compile(r'(?P<key>[a-zA-Z_][a-zA-Z0-9_]*)="(?P<value>(?:[^"\\]|\\.)*)"')
@@ -77,33 +81,24 @@ class PoolGeometry:
         return math.ceil(tokens / self.block_size) * self.attn_groups
 
     @classmethod
-    def from_cache_config(cls, labels: dict[str, str], shape: ModelShape | None = None,
-                          spec_tokens: int = 0) -> PoolGeometry:
+    def from_cache_config(cls, labels: dict[str, str], engine: EngineGeometry | None = None) -> PoolGeometry:
+        """The engine's pool (its own counts) with the per-seat costs the runtime config states."""
         blocks = _int(labels, "num_gpu_blocks")
         block = _int(labels, "block_size")
         if not blocks or not block:
             raise ValueError(f"cache_config_info has no num_gpu_blocks/block_size: {labels}")
+        engine = engine or EngineGeometry()
         mode = labels.get("mamba_cache_mode") or "none"
-        attn_groups, state = 1, 0
-        if shape is not None and shape.gdn_layers:
-            attn_groups, gdn_groups = kv_groups(shape.attn_layers, shape.gdn_layers)
-            align = mode == "align"
-            state = (2 + spec_tokens if align else 1 + spec_tokens) * gdn_groups
-        return cls(num_blocks=blocks, block_size=block, attn_groups=attn_groups, state_blocks_per_seat=state,
-                   spec_tokens=spec_tokens, mamba_cache_mode=mode,
-                   prefix_match_unit=_int(labels, "prefix_match_unit"),
+        if engine.block_size is not None and engine.block_size != block:
+            log.warning("scheduler: the engine's block is %d tokens, the runtime config computed %d; using the"
+                        " engine's", block, engine.block_size)
+        if mode != "none" and engine.gdn_groups == 0:
+            log.warning("scheduler: the engine keeps recurrent state (mamba_cache_mode=%s) but the runtime config"
+                        " states no GDN groups: state pages are not counted", mode)
+        return cls(num_blocks=blocks, block_size=block, attn_groups=engine.attn_groups,
+                   state_blocks_per_seat=engine.state_blocks_per_seat, spec_tokens=engine.spec_tokens,
+                   mamba_cache_mode=mode, prefix_match_unit=_int(labels, "prefix_match_unit"),
                    prefix_caching=labels.get("enable_prefix_caching", "True") == "True")
-
-
-def kv_groups(attn_layers: int, gdn_layers: int) -> tuple[int, int]:
-    """(attention groups, GDN groups) as vLLM 0.32 forms them for a uniform page size
-    (`_get_kv_cache_groups_uniform_page_size`): groups of `min` layers, or of `max` when the two
-    counts are within 1.5×, padded."""
-    lo, hi = min(attn_layers, gdn_layers), max(attn_layers, gdn_layers)
-    if lo == 0:  # one kind only: a single group of it
-        return int(attn_layers > 0), int(gdn_layers > 0)
-    size = hi if hi < lo * 1.5 else lo
-    return math.ceil(attn_layers / size), math.ceil(gdn_layers / size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +115,7 @@ _READ = ("vllm:cache_config_info", "vllm:kv_cache_usage_perc", "vllm:num_request
          "vllm:num_requests_waiting", "vllm:num_preemptions_total")
 
 
-def read_metrics(text: str, shape: ModelShape | None = None,
-                 spec_tokens: int = 0) -> tuple[PoolGeometry | None, LiveGauges]:
+def read_metrics(text: str, engine: EngineGeometry | None = None) -> tuple[PoolGeometry | None, LiveGauges]:
     samples = parse_prometheus(text, _READ)
 
     def total(name: str) -> float:
@@ -130,7 +124,7 @@ def read_metrics(text: str, shape: ModelShape | None = None,
     geom = None
     info = samples.get("vllm:cache_config_info")
     if info:
-        geom = PoolGeometry.from_cache_config(info[0][0], shape, spec_tokens)
+        geom = PoolGeometry.from_cache_config(info[0][0], engine)
     usage = samples.get("vllm:kv_cache_usage_perc") or [({}, 0.0)]
     live = LiveGauges(
         kv_usage=max(v for _, v in usage),

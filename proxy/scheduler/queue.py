@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .priority import Priority
+from proxy.admission import Priority
 
 _LAST_SERVED_CAP = 4096  # sessions remembered for tie-breaking; older ones count as never served
 

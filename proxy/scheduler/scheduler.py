@@ -21,67 +21,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
-from backend.geometry import ModelShape
-from proxy.admission import Footprint, Ticket
+from proxy.admission import Footprint, OpenTicket, Priority, Ticket
+from proxy.settings import EngineGeometry, SchedulerConfig
 
 from .errors import QueueFull, QueueTimeout
-from .footprint import PrefixIndex, PromptFootprint, granule_tokens, prefix_hashes, worst_case_blocks
+from .footprint import PrefixIndex, granule_tokens, prefix_hashes, worst_case_blocks
 from .metrics import SchedulerMetrics
 from .pool import LiveGauges, PoolGeometry, read_metrics
-from .priority import Priority
 from .queue import AdmissionQueue, Waiter
 
 log = logging.getLogger("proxy.scheduler")
-
-ENV_PREFIX = "HYPERHARNESS_SCHED_"
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    seats: int | None = None  # the engine's max_num_seqs; None: bounded by the pool only
-    spec_tokens: int = 0  # speculative tokens per step (lookahead blocks, GDN state slots)
-    reserve_fraction: float = 0.1  # share of the pool only interactive requests may use
-    reserve_seats: int = 1  # seats only interactive requests may use (when seats are known, > 1)
-    max_queue: int = 256  # waiting requests beyond this get 429
-    max_wait_s: tuple[float, float, float] = (600.0, 1200.0, 1800.0)  # per class -> 503
-    backfill_bound_s: float = 2.0  # longest the head may be passed over by backfilled requests
-    backfill_fraction: float = 0.05  # "short": worst case within this share of the pool
-    refresh_s: float = 1.0  # /metrics poll period
-    keepalive_after_s: float = 2.0  # a queued stream is answered 200 + SSE comments after this
-    keepalive_every_s: float = 10.0
-    enabled: bool = True
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> SchedulerConfig:
-        """HYPERHARNESS_SCHED_<FIELD> (e.g. _SEATS=4, _RESERVE_FRACTION=0.1, _MAX_WAIT_S=600,1200,1800);
-        HYPERHARNESS_MAX_NUM_SEQS is read for the seats as well."""
-        env = os.environ if env is None else env
-        base = cls()
-        changes: dict[str, object] = {}
-        seats = env.get(ENV_PREFIX + "SEATS") or env.get("HYPERHARNESS_MAX_NUM_SEQS")
-        if seats:
-            changes["seats"] = int(seats)
-        for name in ("spec_tokens", "reserve_seats", "max_queue"):
-            if env.get(ENV_PREFIX + name.upper()):
-                changes[name] = int(env[ENV_PREFIX + name.upper()])
-        for name in ("reserve_fraction", "backfill_bound_s", "backfill_fraction", "refresh_s",
-                     "keepalive_after_s", "keepalive_every_s"):
-            if env.get(ENV_PREFIX + name.upper()):
-                changes[name] = float(env[ENV_PREFIX + name.upper()])
-        if env.get(ENV_PREFIX + "MAX_WAIT_S"):
-            parts = [float(x) for x in env[ENV_PREFIX + "MAX_WAIT_S"].split(",")]
-            changes["max_wait_s"] = tuple((parts * 3)[:3]) if len(parts) == 1 else tuple(parts[:3])
-        if env.get(ENV_PREFIX + "ENABLED"):
-            changes["enabled"] = env[ENV_PREFIX + "ENABLED"].strip().lower() not in ("0", "false", "no", "off")
-        return replace(base, **changes)  # type: ignore[arg-type]
 
 
 @dataclass(eq=False, slots=True)
@@ -109,27 +64,16 @@ class SeatTicket:
             self.scheduler._release(self)
 
 
-class _OpenTicket:
-    """Admission without pool knowledge (scheduler disabled or geometry not read yet)."""
-
-    def prefilled(self) -> None:
-        return None
-
-    def release(self) -> None:
-        return None
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig | None = None, registry: CollectorRegistry | None = None, *,
-                 geometry: PoolGeometry | None = None,
-                 read_metrics_text: Callable[[], Awaitable[str]] | None = None,
-                 shape: ModelShape | None = None) -> None:
+                 engine: EngineGeometry | None = None, geometry: PoolGeometry | None = None,
+                 read_metrics_text: Callable[[], Awaitable[str]] | None = None) -> None:
         self.config = config or SchedulerConfig()
+        self.engine = engine or EngineGeometry()  # the runtime config's facts: seats, state pages, spec tokens
         self.metrics = SchedulerMetrics(registry or CollectorRegistry())
         self.geometry = geometry
         self.live = LiveGauges()
         self._read = read_metrics_text
-        self._shape = shape
         self.queue = AdmissionQueue()
         self._prefix = PrefixIndex()
         self._private = 0  # blocks held by admitted requests outside the shared index
@@ -148,7 +92,7 @@ class Scheduler:
         if self._read is None:
             return
         try:
-            geom, live = read_metrics(await self._read(), self._shape, self.config.spec_tokens)
+            geom, live = read_metrics(await self._read(), self.engine)
         except Exception as exc:  # the engine may still be starting; keep what we had
             if str(exc) != self._last_read_error:
                 log.warning("scheduler: cannot read engine metrics: %s", exc)
@@ -163,16 +107,16 @@ class Scheduler:
         m.upstream_waiting.set(live.waiting)
         if geom is not None and geom != self.geometry:
             log.info("scheduler: pool %d blocks x %d tokens, %d state blocks per seat, seats %s",
-                     geom.num_blocks, geom.block_size, geom.state_blocks_per_seat, self.config.seats or "?")
+                     geom.num_blocks, geom.block_size, geom.state_blocks_per_seat, self.engine.seats or "?")
             self.geometry = geom
             self._publish_geometry()
             self._pump()
 
     def _publish_geometry(self) -> None:
-        assert self.geometry is not None
-        self.metrics.pool_blocks.set(self.geometry.num_blocks)
-        self.metrics.block_size.set(self.geometry.block_size)
-        self.metrics.seats.set(self.config.seats or 0)
+        if self.geometry is not None:
+            self.metrics.pool_blocks.set(self.geometry.num_blocks)
+            self.metrics.block_size.set(self.geometry.block_size)
+        self.metrics.seats.set(self.engine.seats or 0)
 
     async def start(self) -> None:
         if self._read is None or self._refresher is not None:
@@ -217,7 +161,7 @@ class Scheduler:
         """(seats, blocks) a request of class `p` may fill up to."""
         cfg, g = self.config, self.geometry
         interactive = p == Priority.INTERACTIVE
-        seats = cfg.seats
+        seats = self.engine.seats
         if seats is not None and not interactive and seats > 1:
             seats -= min(cfg.reserve_seats, seats - 1)
         blocks = None
@@ -321,13 +265,13 @@ class Scheduler:
 
     async def acquire(self, footprint: Footprint) -> Ticket:
         if not self.config.enabled:
-            return _OpenTicket()
+            return OpenTicket()
         if self.geometry is None:
             await self.refresh()
-        p = Priority.parse(footprint.priority) or Priority.INTERACTIVE
+        p = footprint.priority
         g = self.geometry
         hashes: list[bytes] = []
-        if g is not None and g.shares_prefixes and isinstance(footprint, PromptFootprint):
+        if g is not None and g.shares_prefixes:
             hashes = prefix_hashes(footprint.prompt, granule_tokens(g))
         blocks = worst_case_blocks(footprint, g) if g is not None else 0
         w = Waiter(footprint.session, p, blocks, hashes, time.monotonic(), asyncio.get_running_loop().create_future())
@@ -371,13 +315,7 @@ class Scheduler:
 
 
 def open_scheduler(upstream_get_text: Callable[[str], Awaitable[str]], registry: CollectorRegistry,
-                   model_dir: Path | None, config: SchedulerConfig | None = None) -> Scheduler:
-    """The scheduler the app runs: geometry from the engine's /metrics, model shape from --model-dir."""
-    shape = None
-    if model_dir is not None and (model_dir / "config.json").is_file():
-        try:
-            shape = ModelShape.from_model_dir(model_dir)
-        except (KeyError, ValueError) as exc:
-            log.warning("scheduler: no model shape from %s (%s); GDN state pages not counted", model_dir, exc)
-    return Scheduler(config or SchedulerConfig.from_env(), registry,
-                     read_metrics_text=lambda: upstream_get_text("/metrics"), shape=shape)
+                   config: SchedulerConfig, engine: EngineGeometry) -> Scheduler:
+    """The scheduler the app runs: the pool's size from the engine's /metrics, seats and per-seat costs
+    from the runtime config."""
+    return Scheduler(config, registry, engine=engine, read_metrics_text=lambda: upstream_get_text("/metrics"))
