@@ -21,6 +21,7 @@ class ProxyError(Exception):
     status = 500
     type = "server_error"
     code: str | None = None
+    headers: dict[str, str] | None = None  # response headers it needs (Retry-After on a refusal)
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)

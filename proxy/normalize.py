@@ -1,9 +1,9 @@
 """Request normalization on the serving side: each quirk a named function, applied by `normalize()`.
 
-Why each exists (shared/research/harnesses.md §4, proxy_anchors.md §6): harnesses say "no thinking" in
-four different ways, send OpenAI-only fields vLLM does not know (`store`, `strict`, ...), re-order
-tool-definition keys between turns, and ask for more `max_tokens` than the room left, which must be
-capped rather than reported as an overflow.
+Why each exists (shared/research/harnesses.md §4, proxy_anchors.md §6): harnesses send OpenAI-only
+fields vLLM does not know (`store`, `strict`, ...), re-order tool-definition keys between turns, and ask
+for more `max_tokens` than the room left, which must be capped rather than reported as an overflow.
+(The thinking switch, said four different ways, is read once by proxy/ingress.py.)
 
 Message-level normalization that changes the rendered prompt (`developer` → `system` with vLLM's
 system merge, the reasoning field name, string tool arguments → objects) is vLLM's own preprocessing
@@ -75,21 +75,11 @@ def tools_key(tools: list[dict[str, Any]] | None) -> str:
     return json.dumps(tools or [], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def thinking_kwargs(req: ChatRequest, defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """Template kwargs with one thinking switch, from any of the ways harnesses say it:
-    `chat_template_kwargs.enable_thinking`, `reasoning_effort: none|minimal`, `thinking: {type: disabled}`,
-    `think: false` (Ollama style)."""
-    kwargs = dict(defaults)
-    extra = req.model_extra or {}
-    if req.reasoning_effort is not None:
-        kwargs["enable_thinking"] = req.reasoning_effort not in ("none", "minimal")
-    thinking = extra.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
-        kwargs["enable_thinking"] = thinking["type"] == "enabled"
-    if isinstance(extra.get("think"), bool):
-        kwargs["enable_thinking"] = extra["think"]
-    if req.chat_template_kwargs:
-        kwargs.update(req.chat_template_kwargs)
+def template_kwargs(req: ChatRequest) -> dict[str, Any]:
+    """The client's extra template kwargs. The thinking switch is not among them: ingress decides it
+    once (proxy/quirks.py `thinking_switch`) and the turn passes it to the renderer by name."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    kwargs.pop("enable_thinking", None)
     return kwargs
 
 
@@ -139,7 +129,7 @@ def cap_max_tokens(requested: int | None, prompt_tokens: int, max_model_len: int
     return max(requested, 1)
 
 
-def normalize(req: ChatRequest, body: Mapping[str, Any], template_defaults: Mapping[str, Any]) -> NormalizedChat:
+def normalize(req: ChatRequest, body: Mapping[str, Any]) -> NormalizedChat:
     """`req` is `body` validated; messages and tools are taken from `body` as sent (no re-dump of a
     100K-token history), since the renderer applies vLLM's message preprocessing itself."""
     messages = list(body["messages"])
@@ -157,7 +147,7 @@ def normalize(req: ChatRequest, body: Mapping[str, Any], template_defaults: Mapp
     return NormalizedChat(
         messages=messages,
         tools=tools,
-        template_kwargs=thinking_kwargs(req, template_defaults),
+        template_kwargs=template_kwargs(req),
         sampling=sampling,
         max_tokens=requested,
         stream=req.stream,

@@ -3,12 +3,10 @@
 Each function fixes or reads one habit seen on the wire (shared/research/harnesses.md, issue 5):
 
 - `identify_harness`       which client sent the request (User-Agent, its own headers, our adapters' header)
-- `session_ids`            session and parent-session ids from headers and the body (the session store key
-                           itself stays proxy/sessions.py's `identify`; this adds the parent and the DSH log)
-- `priority_class`         interactive / subagent / background, for the scheduler (issue 4): compaction,
-                           summaries and titles are background work and must not delay a user's turn
-- `thinking_switch`        `reasoning_effort`, `thinking.type`, `think:false`, `output_config.effort`,
-                           `reasoning.effort` -> the template's `enable_thinking` (one switch per request)
+- `priority_class`         interactive / subagent / background, for admission: compaction, summaries and
+                           titles are background work and must not delay a user's turn
+- `thinking_switch`        `chat_template_kwargs.enable_thinking`, `think`, `thinking.type`, `reasoning_effort`,
+                           `output_config.effort`, `reasoning.effort` -> one switch per request
 - `drop_harness_payload`   DeepSeek Harness' `dsh_session_log` / `dsh_plugin_packages` (the whole session log
                            on every request: megabytes that nothing downstream reads)
 - `whole_context_max_tokens`  Hermes asks `max_tokens` = the whole context (65,536); vLLM answers 400, and
@@ -18,65 +16,47 @@ Each function fixes or reads one habit seen on the wire (shared/research/harness
 - `probe_answer`           Hermes' server probes (`/api/v1/models`, `/api/tags`, `/v1/props`, `/props`,
                            `/version`): answered locally so that it identifies a vLLM server
 
-`prepare_chat` applies them to a `/v1/chat/completions` request before the chat pipeline sees it, and
-records what it found in a bounded `QuirkLog` (tests and `/metrics` read it). No FastAPI here.
+proxy/ingress.py applies them once per request, to either wire, and records what it found in the
+bounded `QuirkLog` (tests and `/metrics` read it). Session and parent ids are proxy/sessions.py's.
+No FastAPI here.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from proxy.admission import Priority
 from proxy.errors import InvalidRequest, NotFound
-from proxy.normalize import tools_key
-from proxy.sessions import BODY_FIELDS, SESSION_HEADERS, SessionIdentity, identify
+from proxy.sessions import SessionIdentity
 
-log = logging.getLogger("proxy.quirks")
-
-Priority = Literal["interactive", "subagent", "background"]
-
-# Read by the scheduler (issue 4) from the headers `prepare_chat` hands to the chat pipeline; a client may
-# also set it itself (a batch job marking its own work as background).
+# A client may mark its own work (a batch job as background); harness signals are read otherwise.
 PRIORITY_HEADER = "x-hyperharness-priority"
 # Our adapters add this static header to every request of the harness they configure.
 HARNESS_HEADER = "x-harness"
 KNOWN_HARNESSES = frozenset({"dsh", "pi", "hermes"})
-PARENT_HEADERS = (
-    "x-parent-session-id",  # ours and OpenCode's
-    "x-deepseek-harness-parent-session-id",
-    "x-dynamo-parent-session-id",
-    "x-claude-code-parent-agent-id",
-)
 # DeepSeek Harness sends these on every request; they are its own bookkeeping, not model input.
 DSH_PAYLOAD_FIELDS = ("dsh_session_log", "dsh_plugin_packages")
+# DeepSeek Harness marks its compaction requests with this header.
+COMPACT_HEADER = "x-deepseek-harness-compact"
 # Prefixes of system prompts of summary / title side requests (seen on the wire, see each harness below).
 BACKGROUND_SYSTEM_PREFIXES = (
     "You are a context summarization assistant",  # Pi compaction and branch summaries
     "Summarize the conversation",  # generic compaction prompts
 )
-BACKGROUND_USER_MARKERS = (
-    "<compacted-summary>",  # DeepSeek Harness compaction output, replayed after a compaction
-)
-SIDE_SUFFIX = "/side"
+# Fields that say the thinking switch (besides reasoning_effort, which the chat request itself has).
+THINKING_FIELDS = ("think", "thinking", "output_config", "reasoning")
 _OFF_EFFORTS = frozenset({"none", "minimal", "off", "disabled"})
 
 
 @dataclass(frozen=True, slots=True)
-class SessionIds:
-    session: str | None  # an explicit id from a header or body field; None: the proxy fingerprints
-    parent: str | None
-    source: str  # header / field it came from, or "none"
-
-
-@dataclass(frozen=True, slots=True)
 class RequestInfo:
-    """What the quirks found out about one request (kept in `QuirkLog`)."""
+    """What ingress found out about one request (kept in `QuirkLog`)."""
 
     route: str
     harness: str
@@ -102,7 +82,7 @@ class QuirkLog:
 
     def add(self, info: RequestInfo) -> None:
         self.recent.append(info)
-        self.requests.labels(info.harness, info.session.source, info.priority).inc()
+        self.requests.labels(info.harness, info.session.source, info.priority.label).inc()
         for name in info.quirks:
             self.applied.labels(name).inc()
 
@@ -125,48 +105,16 @@ def identify_harness(headers: Mapping[str, str]) -> str:
     return "unknown"
 
 
-def session_ids(headers: Mapping[str, str], body: Mapping[str, Any]) -> SessionIds:
-    """Explicit session and parent ids. DeepSeek Harness' session log carries both when its headers do
-    not (its Anthropic route sends only the session header; the parent link lives in the log)."""
-    session, source = None, "none"
-    for name in SESSION_HEADERS:
-        if headers.get(name):
-            session, source = headers[name].strip(), name
-            break
-    else:
-        for name in BODY_FIELDS:
-            if isinstance(body.get(name), str) and body[name]:
-                session, source = body[name], name
-                break
-    parent = next((headers[h].strip() for h in PARENT_HEADERS if headers.get(h)), None)
-    dsh_session, dsh_parent = _dsh_log_ids(body.get("dsh_session_log"))
-    if session is None and dsh_session:
-        session, source = dsh_session, "dsh_session_log"
-    return SessionIds(session=session, parent=parent or dsh_parent, source=source)
-
-
-def _dsh_log_ids(log_field: Any) -> tuple[str | None, str | None]:
-    """(session id, parent session id) from a `dsh_session_log` (0.2.1: `{session: {id, ...}, events}`)."""
-    if not isinstance(log_field, dict):
-        return None, None
-    inner = log_field.get("session")
-    session: dict[str, Any] = inner if isinstance(inner, dict) else log_field
-    sid = session.get("id") or session.get("sessionId") or session.get("session_id")
-    parent = session.get("parentId") or session.get("parentSessionId") or session.get("parent_session_id")
-    if isinstance(session.get("parent"), dict):
-        parent = parent or session["parent"].get("id")
-    return (sid if isinstance(sid, str) else None), (parent if isinstance(parent, str) else None)
-
-
 def priority_class(headers: Mapping[str, str], body: Mapping[str, Any], parent: str | None) -> Priority:
     """Background: compaction (DSH's `x-deepseek-harness-compact: 1`, Pi's summarization prompt), titles
-    (DSH's small thinking-off title request) and anything the client marks so; subagent: has a parent."""
-    explicit = (headers.get(PRIORITY_HEADER) or "").strip().lower()
-    if explicit in ("interactive", "subagent", "background"):
-        return explicit  # type: ignore[return-value]
-    if headers.get("x-deepseek-harness-compact") == "1" or is_summary_request(body):
-        return "background"
-    return "subagent" if parent else "interactive"
+    (DSH's small thinking-off title request) and anything the client marks so; subagent: has a parent.
+    `headers` lower-cased or case-insensitive."""
+    explicit = Priority.parse(headers.get(PRIORITY_HEADER))
+    if explicit is not None:
+        return explicit
+    if (headers.get(COMPACT_HEADER) or "").strip() in ("1", "true") or is_summary_request(body):
+        return Priority.BACKGROUND
+    return Priority.SUBAGENT if parent else Priority.INTERACTIVE
 
 
 def is_summary_request(body: Mapping[str, Any]) -> bool:
@@ -215,23 +163,6 @@ def _nested(body: Mapping[str, Any], outer: str, inner: str) -> Any:
     return value.get(inner) if isinstance(value, dict) else None
 
 
-def apply_thinking_switch(body: dict[str, Any]) -> bool:
-    """Write the switch into `chat_template_kwargs.enable_thinking` (what the renderer reads) and drop
-    the fields that said it, so no later step reads them differently. True when it changed the body."""
-    switch = thinking_switch(body)
-    if switch is None:
-        return False
-    kwargs = dict(body.get("chat_template_kwargs") or {})
-    changed = kwargs.get("enable_thinking") is not switch
-    kwargs["enable_thinking"] = switch
-    body["chat_template_kwargs"] = kwargs
-    for name in ("think", "thinking", "output_config", "reasoning"):
-        if name in body and not isinstance(body[name], str):
-            del body[name]
-            changed = True
-    return changed
-
-
 def drop_harness_payload(body: dict[str, Any]) -> bool:
     """Remove DeepSeek Harness' bookkeeping fields; True when there were any."""
     found = [name for name in DSH_PAYLOAD_FIELDS if name in body]
@@ -277,54 +208,3 @@ def probe_answer(path: str, version: str) -> tuple[int, dict[str, Any]]:
 
 
 PROBE_PATHS = ("/version", "/props", "/v1/props", "/api/v1/models", "/api/tags")
-
-
-def prepare_chat(body: dict[str, Any], headers: Mapping[str, str], *, max_model_len: int,
-                 quirk_log: QuirkLog | None = None, route: str = "chat") -> tuple[dict[str, Any], dict[str, str]]:
-    """Apply the request quirks to a chat request; returns the body (changed in place) and lower-cased
-    headers carrying the priority class for the scheduler. Never raises for an odd body: validation
-    is the pipeline's job and gives the proper 400."""
-    hdrs = {k.lower(): v for k, v in headers.items()}
-    harness = identify_harness(hdrs)
-    ids = session_ids(hdrs, body)
-    priority = priority_class(hdrs, body, ids.parent)
-    applied: list[str] = []
-    if drop_harness_payload(body):
-        applied.append("dsh_payload")
-    if apply_thinking_switch(body):
-        applied.append("thinking_switch")
-    if whole_context_max_tokens(body, max_model_len):
-        applied.append("whole_context_max_tokens")
-    if any(isinstance(m, dict) and m.get("role") == "developer" for m in body.get("messages") or ()):
-        applied.append("developer_role")  # folded into system by the renderer (proxy/format/normalize.py)
-    if ids.session is not None and ids.source == "dsh_session_log":
-        hdrs["x-session-id"] = ids.session  # so sessions.identify keys the store by it
-    if ids.session is not None and is_summary_request(body):
-        # DSH sends its title request under the session's own prompt_cache_key, Pi its summary under
-        # the session headers; they share no prefix with the session, so their transcripts go apart.
-        hdrs["x-session-id"] = ids.session + SIDE_SUFFIX
-        applied.append("side_session")
-    hdrs[PRIORITY_HEADER] = priority
-    if quirk_log is not None:
-        raw_messages, raw_tools = body.get("messages"), body.get("tools")
-        messages: list[dict[str, Any]] = raw_messages if isinstance(raw_messages, list) else []
-        tools: list[dict[str, Any]] | None = raw_tools if isinstance(raw_tools, list) else None
-        try:
-            session = identify(hdrs, body, messages, tools_key(tools))
-        except (TypeError, ValueError):
-            session = SessionIdentity(key="invalid", source="invalid")
-        info = RequestInfo(route, harness, session, ids.parent, priority, tuple(applied))
-        quirk_log.add(info)
-        log.debug("%s request from %s: session %s (%s), priority %s, quirks %s", route, harness, session.key,
-                  session.source, priority, ",".join(applied) or "-")
-    return body, hdrs
-
-
-def quirk_log_of(extras: dict[str, Any], registry: CollectorRegistry | None) -> QuirkLog:
-    """The app's one QuirkLog, created on first use in `Services.extras`."""
-    existing = extras.get("quirks")
-    if isinstance(existing, QuirkLog):
-        return existing
-    created = QuirkLog(registry)
-    extras["quirks"] = created
-    return created

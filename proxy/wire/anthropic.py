@@ -1,10 +1,10 @@
-"""Anthropic Messages (`POST /v1/messages`) on the proxy's own token-exact chat path.
+"""Anthropic Messages (`POST /v1/messages`) on the wire, served by the proxy's own token-exact turn.
 
 DeepSeek Harness' native route posts Anthropic Messages (issue 5): top-level `system`, tools in Anthropic
 form, `thinking: {type: enabled}` without a budget (vLLM's own /v1/messages answers that with a 400),
-`output_config.effort`. Rather than relaying to vLLM, a request is translated to an OpenAI chat request and
-served by `ChatService` like any other, so Anthropic sessions get the same transcripts and cache hits;
-the answer (or its stream) is translated back.
+`output_config.effort`. Rather than relaying to vLLM, a request is translated to an OpenAI chat request (the proxy's
+internal shape) and served as a turn like any other, so Anthropic sessions get the same transcripts,
+admission and cache hits; the turn's typed events are written out as Anthropic events.
 
 Translation is ours, not litellm's: it is ~250 lines, and litellm's adapter pulls its whole dependency
 tree into the proxy process and was measured as a 10 ms / 550 µs-per-event relay (proxy_anchors.md §8).
@@ -24,10 +24,15 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from proxy.errors import InvalidRequest, ProxyError
+from proxy.format.base import Delta, DeltaKind
+from proxy.reply import DeltaEvent, FinalEvent, Usage
+
+if TYPE_CHECKING:
+    from proxy.turn import Turn
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop_sequences": "stop"}
@@ -194,33 +199,28 @@ def to_chat_request(body: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
-def usage_of(usage: dict[str, Any] | None) -> dict[str, int]:
-    """OpenAI usage -> Anthropic usage: cached prompt tokens are reported apart from `input_tokens`."""
-    u = usage or {}
-    prompt = int(u.get("prompt_tokens") or 0)
-    cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": cached, "output_tokens": int(u.get("completion_tokens") or 0)}
+def usage_of(usage: Usage) -> dict[str, int]:
+    """Anthropic usage: cached prompt tokens are reported apart from `input_tokens`."""
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": usage.cached_tokens, "output_tokens": usage.completion_tokens}
 
 
-def to_message(completion: dict[str, Any], model: str) -> dict[str, Any]:
-    """A non-streamed OpenAI chat completion as an Anthropic message."""
-    choice = completion["choices"][0]
-    msg = choice["message"]
+def to_message(final: FinalEvent, model: str) -> dict[str, Any]:
+    """A finished turn as one Anthropic message."""
+    parsed = final.parsed
     content: list[dict[str, Any]] = []
-    if msg.get("reasoning_content"):
-        content.append({"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})
-    if msg.get("content"):
-        content.append({"type": "text", "text": msg["content"]})
-    for call in msg.get("tool_calls") or ():
-        content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                        "input": _arguments(call["function"].get("arguments"))})
+    if parsed.reasoning:
+        content.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+    if parsed.content:
+        content.append({"type": "text", "text": parsed.content})
+    for call in parsed.tool_calls:
+        content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": _arguments(call.arguments)})
     return {"id": message_id(), "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": _stop_reason(choice.get("finish_reason"), bool(msg.get("tool_calls"))),
-            "stop_sequence": None, "usage": usage_of(completion.get("usage"))}
+            "stop_reason": stop_reason(final.finish, final.called), "stop_sequence": None,
+            "usage": usage_of(final.usage)}
 
 
-def _stop_reason(finish: str | None, called: bool) -> str:
+def stop_reason(finish: str | None, called: bool) -> str:
     """A forced call to a named function finishes with "stop" on the OpenAI side; Anthropic says
     tool_use whenever the answer calls a tool."""
     if called and finish in (None, "stop"):
@@ -241,27 +241,20 @@ def event(name: str, data: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: {payload}\n\n".encode()
 
 
-def chat_events(chunks: Iterable[bytes]) -> Iterable[dict[str, Any]]:
-    """The JSON objects of OpenAI SSE bytes (a chunk from the chat pipeline holds one or more events)."""
-    for chunk in chunks:
-        for line in chunk.split(b"\n"):
-            if line.startswith(b"data: {"):
-                yield json.loads(line[6:])
+def error_event(exc: ProxyError) -> bytes:
+    return event("error", anthropic_error(exc))
 
 
 class MessageStream:
-    """Turns the chat pipeline's OpenAI stream into Anthropic stream events: message_start, one
-    content block per kind run (thinking / text / each tool_use), message_delta with the stop reason
-    and usage, message_stop. Blocks are closed as soon as another kind starts, as Anthropic does."""
+    """A turn's deltas as Anthropic stream events: message_start, one content block per kind run
+    (thinking / text / each tool_use), message_delta with the stop reason and usage, message_stop.
+    Blocks are closed as soon as another kind starts, as Anthropic does."""
 
     def __init__(self, model: str, input_tokens: int) -> None:
         self.model = model
         self.input_tokens = input_tokens
         self.index = -1
         self.open: str | None = None  # "thinking" | "text" | "tool:<n>"
-        self.finish: str | None = None
-        self.usage: dict[str, Any] | None = None
-        self.called = False
 
     def start(self) -> bytes:
         message: dict[str, Any] = {
@@ -292,62 +285,68 @@ class MessageStream:
     def _delta(self, delta: dict[str, Any]) -> bytes:
         return event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
 
-    def feed(self, chunk: dict[str, Any]) -> list[bytes]:
-        if chunk.get("error"):
-            err = chunk["error"]
-            error = {"type": "api_error", "message": err.get("message", "")}
-            return [event("error", {"type": "error", "error": error})]
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
+    def deltas(self, deltas: list[Delta]) -> list[bytes]:
         out: list[bytes] = []
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
+        for d in deltas:
+            if d.kind is DeltaKind.REASONING:
+                if not d.text:
+                    continue
                 if self.open != "thinking":
                     out += self._switch("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                out.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]}))
-            if delta.get("content"):
+                out.append(self._delta({"type": "thinking_delta", "thinking": d.text}))
+            elif d.kind is DeltaKind.CONTENT:
+                if not d.text:
+                    continue
                 if self.open != "text":
                     out += self._switch("text", {"type": "text", "text": ""})
-                out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
-            for call in delta.get("tool_calls") or ():
-                key = f"tool:{call.get('index', 0)}"
-                if call.get("id") and self.open != key:
-                    block = {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}}
-                    out += self._switch(key, block)
-                    self.called = True
-                args = (call.get("function") or {}).get("arguments")
-                if args and self.open == key:
-                    out.append(self._delta({"type": "input_json_delta", "partial_json": args}))
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
+                out.append(self._delta({"type": "text_delta", "text": d.text}))
+            elif d.kind is DeltaKind.TOOL_CALL:
+                out += self._switch(f"tool:{d.index}", {"type": "tool_use", "id": d.id, "name": d.name, "input": {}})
+            elif d.text and self.open == f"tool:{d.index}":  # arguments of the open tool_use block
+                out.append(self._delta({"type": "input_json_delta", "partial_json": d.text}))
         return out
 
-    def end(self) -> list[bytes]:
-        out = self._close()
-        usage = usage_of(self.usage)
+    def end(self, final: FinalEvent) -> list[bytes]:
+        out = self.deltas(final.tail)
+        out += self._close()
         out.append(event("message_delta", {
             "type": "message_delta",
-            "delta": {"stop_reason": _stop_reason(self.finish, self.called), "stop_sequence": None},
-            "usage": usage,
+            "delta": {"stop_reason": stop_reason(final.finish, final.called), "stop_sequence": None},
+            "usage": usage_of(final.usage),
         }))
         out.append(event("message_stop", {"type": "message_stop"}))
         return out
 
 
-async def translate_stream(chunks: AsyncIterator[bytes], model: str, input_tokens: int) -> AsyncIterator[bytes]:
-    """Anthropic SSE bytes from the chat pipeline's OpenAI SSE bytes."""
-    stream = MessageStream(model, input_tokens)
-    yield stream.start()
-    failed = False
-    async for chunk in chunks:
-        for obj in chat_events([chunk]):
-            for out in stream.feed(obj):
-                failed = failed or out.startswith(b"event: error")
-                yield out
-    if not failed:
-        for out in stream.end():
-            yield out
+class AnthropicWire:
+    """`Wire` for /v1/messages."""
+
+    route = "messages"
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+
+    async def stream(self, turn: Turn) -> AsyncIterator[bytes]:
+        stream = MessageStream(self.model_name, len(turn.prompt))
+        try:
+            yield stream.start()
+            async for ev in turn.events():
+                for out in stream.deltas(ev.deltas) if isinstance(ev, DeltaEvent) else stream.end(ev):
+                    yield out
+        except ProxyError as exc:
+            yield error_event(exc)
+        finally:
+            turn.close()  # also when the client left before the first event
+
+    async def complete(self, turn: Turn) -> dict[str, Any]:
+        return to_message(await turn.collect(), self.model_name)
+
+    def error_body(self, exc: ProxyError) -> dict[str, Any]:
+        return anthropic_error(exc)
+
+    def error_event(self, exc: ProxyError) -> bytes:
+        return error_event(exc)
 
 
-__all__ = ["MessageStream", "anthropic_error", "to_chat_request", "to_message", "translate_stream", "usage_of"]
+__all__ = ["AnthropicWire", "MessageStream", "anthropic_error", "error_event", "to_chat_request", "to_message",
+           "usage_of"]

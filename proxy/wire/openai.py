@@ -1,4 +1,4 @@
-"""OpenAI chat completion output, built as bytes/dicts straight from the parser's deltas.
+"""OpenAI chat/completions on the wire: a turn's typed events as SSE chunks or one completion body.
 
 No pydantic per chunk (a measured CPU trap, proxy_anchors.md §7): each chunk is a precomputed
 prefix + the delta's JSON + suffix. Deltas are encoded with msgspec: the same bytes as compact
@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import json
 import secrets
-import string
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from proxy.format.base import Delta, DeltaKind, ParsedOutput
+from proxy.errors import ProxyError
+from proxy.format.base import Delta, DeltaKind
+from proxy.reply import DeltaEvent, Usage
 
-_ALPHABET = string.ascii_letters + string.digits
-
-
-def tool_call_id() -> str:
-    return "call_" + "".join(secrets.choice(_ALPHABET) for _ in range(24))
+if TYPE_CHECKING:
+    from proxy.turn import Turn
 
 
 def completion_id() -> str:
@@ -42,20 +40,13 @@ def sse(data: Any) -> bytes:
 DONE = b"data: [DONE]\n\n"
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage_dict(usage: Usage) -> dict[str, Any]:
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
-
-
-def finish_reason(upstream: str | None, had_tool_calls: bool) -> str:
-    """OpenAI's finish reasons from vLLM's: a turn that called tools ends with `tool_calls`."""
-    if upstream == "length":
-        return "length"
-    return "tool_calls" if had_tool_calls else "stop"
 
 
 class ChunkWriter:
@@ -147,58 +138,6 @@ class ChunkWriter:
         return sse({"error": {"message": message, "type": type_, "param": None, "code": None}})
 
 
-class ArgumentsGate:
-    """Checks streamed tool-call argument fragments against the parser's final arguments.
-
-    Fragments stream through as they come (incremental `tool_calls`); at the end, a call that got
-    no fragment gets its final arguments, and a call whose concatenated fragments differ from the
-    final (non-streaming) arguments is reported in `mismatches` (logged and counted by the caller).
-    Why: a client that concatenates fragments must end with exactly the non-streaming arguments;
-    an early parser once leaked XML markup into fragments, and that must not go unnoticed again.
-    """
-
-    def __init__(self) -> None:
-        self._sent: dict[int, str] = {}
-        self.mismatches: list[tuple[int, str, str]] = []
-
-    def filter(self, deltas: list[Delta]) -> list[Delta]:
-        for d in deltas:
-            if d.kind is DeltaKind.ARGUMENTS:
-                self._sent[d.index] = self._sent.get(d.index, "") + d.text
-        return deltas
-
-    def flush(self, parsed: ParsedOutput) -> list[Delta]:
-        out = []
-        for i, call in enumerate(parsed.tool_calls):
-            sent = self._sent.get(i)
-            if sent is None:
-                out.append(Delta(DeltaKind.ARGUMENTS, call.arguments, index=i))
-            elif not _same_json(sent, call.arguments or "{}"):
-                self.mismatches.append((i, sent, call.arguments))
-        return out
-
-
-def _same_json(a: str, b: str) -> bool:
-    try:
-        return bool(json.loads(a) == json.loads(b))
-    except ValueError:
-        return False
-
-
-def assistant_message(parsed: ParsedOutput) -> dict[str, Any]:
-    """The reply as an OpenAI message (non-streaming responses, and the transcript's reply key)."""
-    msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-    if parsed.reasoning is not None:
-        msg["reasoning_content"] = parsed.reasoning
-        msg["reasoning"] = parsed.reasoning
-    if parsed.tool_calls:
-        msg["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in parsed.tool_calls
-        ]
-    return msg
-
-
 def completion_body(
     cid: str,
     model: str,
@@ -215,3 +154,57 @@ def completion_body(
         "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
         "usage": usage,
     }
+
+
+def error_event(exc: ProxyError) -> bytes:
+    """A stream's last words after a failure: the error object, then [DONE]."""
+    return sse(exc.body()) + DONE
+
+
+class OpenAIWire:
+    """`Wire` for /v1/chat/completions."""
+
+    route = "chat"
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+
+    async def stream(self, turn: Turn) -> AsyncIterator[bytes]:
+        chat = turn.request.chat
+        writer = ChunkWriter(completion_id(), self.model_name)
+        ids_out = chat.return_token_ids
+        try:
+            # Early: harness watchdogs count the time to the first byte.
+            yield writer.role(turn.prompt if ids_out else None)
+            async for event in turn.events():
+                if isinstance(event, DeltaEvent):
+                    chunk = writer.deltas(event.deltas, event.logprobs)
+                    if chunk:
+                        yield chunk
+                    continue
+                if event.tail:
+                    yield writer.deltas(event.tail)
+                yield writer.finish(event.finish, event.generated if ids_out else None, event.logprobs)
+                if chat.include_usage:
+                    yield writer.usage(usage_dict(event.usage))
+            yield DONE
+        except ProxyError as exc:
+            yield writer.error(exc.message, exc.type)
+            yield DONE
+        finally:
+            turn.close()  # also when the client left before the first event
+
+    async def complete(self, turn: Turn) -> dict[str, Any]:
+        final = await turn.collect()
+        body = completion_body(completion_id(), self.model_name, final.reply, final.finish, usage_dict(final.usage),
+                               turn.logprobs_body())
+        if turn.request.chat.return_token_ids:
+            body["prompt_token_ids"] = turn.prompt.tolist()
+            body["choices"][0]["token_ids"] = list(final.generated)
+        return body
+
+    def error_body(self, exc: ProxyError) -> dict[str, Any]:
+        return exc.body()
+
+    def error_event(self, exc: ProxyError) -> bytes:
+        return error_event(exc)

@@ -1,0 +1,139 @@
+"""Planning a turn: a `TurnRequest` in, the exact prompt ids out, spliced onto the session's transcript
+where the conversation extends it, rendered fresh otherwise. No I/O but the store lookup and the
+engine's model info; no FastAPI.
+
+A splice keeps the previous turn's ids byte for byte (prompt + the ids the engine generated), so the
+engine's prefix cache serves them and nothing is prefilled again; the new messages are rendered as a
+continuation. A fresh render of a known session is a divergence: counted, with the tokens it will
+prefill again.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.constraints import json_tool_outputs
+from proxy.errors import InvalidRequest
+from proxy.format.base import ChatFormat, FormatError, Rendered
+from proxy.format.template import TemplateError
+from proxy.idstext import IdsText
+from proxy.ingress import TurnRequest
+from proxy.metrics import Metrics
+from proxy.normalize import NormalizedChat, cap_max_tokens
+from proxy.protocol import validate_messages
+from proxy.store import SessionStore
+from proxy.transcripts import Match, MessageKeys, Snapshot, common_prefix_len, context_key, match
+from proxy.upstream import Upstream
+
+log = logging.getLogger("proxy.plan")
+
+
+@dataclass(slots=True)
+class Plan:
+    """A rendered request, before the upstream call."""
+
+    request: TurnRequest
+    prompt: array[int]  # array('I')
+    prompt_text: str  # the ids as JSON array body ("1,2,3"), built incrementally from the parent's
+    parent: Snapshot | None  # the snapshot this prompt extends (spliced), if any
+    msg_keys: list[str]
+    msg_ends: list[int]
+    context: str
+    max_tokens: int
+    # structured_outputs that force the tool_choice (None: not forced), and whether they force JSON
+    # (a format without its own tool-call syntax) that `JsonToolCallParser` turns into calls.
+    forced_outputs: dict[str, Any] | None = None
+    json_tools: bool = False
+
+
+class Planner:
+    """Owns the per-process caches that make planning cheap: message keys and the prompt's JSON text."""
+
+    def __init__(self, fmt: ChatFormat, upstream: Upstream, store: SessionStore, metrics: Metrics) -> None:
+        self.fmt = fmt
+        self.upstream = upstream
+        self.store = store
+        self.metrics = metrics
+        self.ids_text = IdsText()
+        self.message_keys = MessageKeys()
+
+    async def plan(self, req: TurnRequest) -> Plan:
+        chat = req.chat
+        kwargs = dict(chat.template_kwargs)
+        # The transcript's context: tools and template switches; a change of either renders afresh.
+        ctx = context_key(req.tools_key, {**kwargs, "enable_thinking": req.thinking})
+        try:
+            keys = self.message_keys.keys(chat.messages)
+        except (AttributeError, TypeError, ValueError):
+            validate_messages(chat.messages)  # raises the proper 400 for what broke the keying
+            raise
+        found = match(await self.store.load(req.session.key), chat.messages, ctx, keys=keys)
+        spliced = found.snapshot is not None and found.reason is None
+        validate_messages(chat.messages, found.new_from if spliced else 0)
+        try:
+            if found.snapshot is not None and spliced:
+                prompt, text, ends = self._splice(found, chat, req.thinking)
+                parent: Snapshot | None = found.snapshot
+                self.metrics.transcript_lookups.labels("hit").inc()
+                self.metrics.spliced_tokens.inc(len(found.snapshot.ids))
+            else:
+                rendered = self.fmt.render(chat.messages, chat.tools, enable_thinking=req.thinking, **kwargs)
+                prompt, text, ends = array("I", rendered.ids), "", _message_ends(rendered, len(chat.messages))
+                parent = None
+                self._account_fresh(req, found, prompt)
+        except (FormatError, TemplateError) as exc:
+            raise InvalidRequest(str(exc), param="messages") from exc
+        info = await self.upstream.model()
+        max_tokens = cap_max_tokens(chat.max_tokens, len(prompt), info.max_model_len)
+        if not text:
+            text = self.ids_text.encode(prompt)
+        forced, json_tools = self._forced_outputs(chat)
+        return Plan(request=req, prompt=prompt, prompt_text=text, parent=parent, msg_keys=keys, msg_ends=ends,
+                    context=ctx, max_tokens=max_tokens, forced_outputs=forced, json_tools=json_tools)
+
+    def _forced_outputs(self, chat: NormalizedChat) -> tuple[dict[str, Any] | None, bool]:
+        choice = chat.tool_choice
+        if not choice.forced or not chat.tools:
+            return None, False
+        outputs = self.fmt.forced_tool_outputs(chat.tools, choice.name, parallel=chat.parallel_tool_calls)
+        if outputs is not None:
+            return outputs, False
+        return json_tool_outputs(chat.tools, choice, parallel=chat.parallel_tool_calls), True
+
+    def _splice(self, found: Match, chat: NormalizedChat, thinking: bool) -> tuple[array[int], str, list[int]]:
+        snap = found.snapshot
+        if snap is None:
+            raise RuntimeError("splice without a snapshot")  # a caller's bug, never a client's
+        after_stop = len(snap.ids) > 0 and snap.ids[-1] in self.fmt.stop_token_ids
+        new = chat.messages[found.new_from :]
+        cont = self.fmt.render_continuation(new, chat.tools, enable_thinking=thinking, after_stop=after_stop)
+        prompt = array("I", snap.ids)
+        prompt.extend(cont)
+        text = self.ids_text.extend(snap.snapshot_id, snap.ids, cont)
+        # Ends of the new messages are not split out by the continuation render; they share the
+        # prompt's end, which only coarsens divergence accounting for a later edit of them.
+        ends = snap.msg_ends[: len(snap.msg_keys)] + [len(snap.ids)] + [len(prompt)] * len(new)
+        return prompt, text, ends
+
+    def _account_fresh(self, req: TurnRequest, found: Match, prompt: array[int]) -> None:
+        if found.snapshot is None:
+            self.metrics.transcript_lookups.labels("miss").inc()
+            return
+        self.metrics.transcript_lookups.labels("diverged").inc()
+        self.metrics.divergences.labels(found.reason or "unknown").inc()
+        lost = max(0, found.shared_tokens - common_prefix_len(found.snapshot.ids, prompt))
+        self.metrics.reprefilled_tokens.inc(lost)
+        log.info("session %s (%s) diverged: %s; %d previously-sent tokens will be prefilled again",
+                 req.session.key, req.session.source, found.reason, lost)
+
+
+def _message_ends(rendered: Rendered, n: int) -> list[int]:
+    by_msg = {s.message: s.end for s in rendered.spans if s.message is not None}
+    ends, last = [], 0
+    for i in range(n):
+        last = by_msg.get(i, last)
+        ends.append(last)
+    return ends

@@ -1,0 +1,99 @@
+"""The HTTP routes of a turn, for both wires, and the routes that exist for harnesses (refused Files API,
+Hermes' server probes). Thin: read the body, ingress, `serve_turn`; the core does the rest.
+
+`create_app` (proxy/app.py) includes this router before its `/v1/{path}` pass-through, so these paths are
+answered here and never relayed to vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from proxy import quirks
+from proxy.errors import ProxyError
+from proxy.http import SSE_HEADERS, error_response, json_response, read_json
+from proxy.ingress import TurnRequest
+from proxy.relay import relay
+from proxy.scheduler import Queued, hold
+from proxy.services import Services
+from proxy.wire import Wire
+from proxy.wire.anthropic import AnthropicWire
+from proxy.wire.openai import OpenAIWire
+
+# What /version reports: the engine line we are compatible with (vLLM 0.32.0, patches/vllm.pin).
+ENGINE_VERSION = "0.32.0"
+
+
+async def serve_turn(services: Services, request: Request, turn_request: TurnRequest, wire: Wire) -> Response:
+    """The one path a turn takes on either wire: hold the client through admission, then stream or
+    collect the turn through the wire's writer."""
+    turns = services.require_turns()
+    cfg = services.settings.scheduler
+    held = await hold(turns.open(turn_request), stream=turn_request.chat.stream,
+                      is_disconnected=request.is_disconnected, after_s=cfg.keepalive_after_s,
+                      every_s=cfg.keepalive_every_s)
+    if isinstance(held, Queued):  # still waiting for engine capacity: SSE comments until admitted
+        body = held.body(wire.stream, wire.error_event)
+        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+    if turn_request.chat.stream:
+        return StreamingResponse(wire.stream(held), media_type="text/event-stream", headers=SSE_HEADERS)
+    return json_response(await wire.complete(held))
+
+
+def turn_router(services: Services) -> APIRouter:
+    router = APIRouter()
+    openai_wire = OpenAIWire(services.settings.model_name)
+    anthropic_wire = AnthropicWire(services.settings.model_name)
+
+    async def ingest(request: Request, read: Callable[..., TurnRequest], route: str) -> TurnRequest:
+        body = await read_json(request)
+        info = await services.up().model()
+        return read(body, request.headers, max_model_len=info.max_model_len, route=route)
+
+    async def answer(request: Request, wire: Wire, read: Callable[..., TurnRequest]) -> Response:
+        try:
+            turn_request = await ingest(request, read, wire.route)
+            return await serve_turn(services, request, turn_request, wire)
+        except ProxyError as exc:
+            services.metrics.requests.labels(wire.route, str(exc.status)).inc()
+            return error_response(exc, wire)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        if services.turns is None:  # no chat format: vLLM renders (no transcripts)
+            return await relay(services, request, "/v1/chat/completions")
+        return await answer(request, openai_wire, services.ingress.openai)
+
+    @router.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await answer(request, anthropic_wire, services.ingress.anthropic)
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        try:
+            turn_request = await ingest(request, services.ingress.anthropic, "count_tokens")
+            plan = await services.require_turns().plan(turn_request)
+            return json_response({"input_tokens": len(plan.prompt)})
+        except ProxyError as exc:
+            return error_response(exc, anthropic_wire)
+
+    @router.api_route("/v1/files", methods=["GET", "POST"])
+    @router.api_route("/v1/files/{rest:path}", methods=["GET", "POST", "DELETE"])
+    async def files(request: Request) -> Response:
+        exc = quirks.files_refused()
+        services.metrics.requests.labels("files", str(exc.status)).inc()
+        services.quirk_log.applied.labels("files_refused").inc()
+        return json_response(exc.body(), exc.status)
+
+    async def probe(request: Request) -> Response:
+        status, body = quirks.probe_answer(request.url.path, ENGINE_VERSION)
+        services.quirk_log.applied.labels("server_probe").inc()
+        return json_response(body, status)
+
+    for path in quirks.PROBE_PATHS:
+        router.add_api_route(path, probe, methods=["GET"])
+    return router

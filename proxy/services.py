@@ -1,0 +1,42 @@
+"""What the routes use, in one object: built by `create_app`'s lifespan (or injected by tests and
+benchmarks). No FastAPI here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.errors import ProxyError
+from proxy.ingress import Ingress
+from proxy.metrics import Metrics
+from proxy.quirks import QuirkLog
+from proxy.settings import Settings
+from proxy.store import SessionStore
+from proxy.turn import TurnService
+from proxy.upstream import Upstream
+
+
+@dataclass
+class Services:
+    settings: Settings
+    metrics: Metrics
+    quirk_log: QuirkLog
+    ingress: Ingress
+    upstream: Upstream | None = None
+    store: SessionStore | None = None
+    turns: TurnService | None = None  # None without a chat format: chat passes through to vLLM
+
+    @classmethod
+    def build(cls, settings: Settings) -> Services:
+        metrics = Metrics()
+        quirk_log = QuirkLog(metrics.registry)
+        return cls(settings, metrics, quirk_log, Ingress(quirk_log, default_thinking=settings.default_thinking))
+
+    def up(self) -> Upstream:
+        if self.upstream is None:
+            raise ProxyError("proxy is starting")
+        return self.upstream
+
+    def require_turns(self) -> TurnService:
+        if self.turns is None:
+            raise ProxyError("this route needs the proxy's chat format (a model_dir in the proxy config)")
+        return self.turns

@@ -1,0 +1,38 @@
+"""Wire formats: how a turn's typed events (proxy/reply.py) become bytes on each client protocol.
+
+    openai.py      OpenAI chat/completions: SSE chunks, the completion body, OpenAI error bodies
+    anthropic.py   Anthropic Messages: the request's translation to the chat shape, SSE events, the
+                   message body, Anthropic error bodies
+
+Both implement `Wire` (below): proxy/routes.py serves any turn through one of them. No FastAPI here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+from proxy.errors import ProxyError
+
+if TYPE_CHECKING:
+    from proxy.turn import Turn
+
+
+class Wire(Protocol):
+    route: str  # the metrics label of its endpoint
+
+    def stream(self, turn: Turn) -> AsyncIterator[bytes]:
+        """The whole streamed body; a failure after the status line ends it with the wire's error event."""
+        ...
+
+    async def complete(self, turn: Turn) -> dict[str, Any]:
+        """The non-streamed body (raises ProxyError)."""
+        ...
+
+    def error_body(self, exc: ProxyError) -> dict[str, Any]:
+        """The JSON body of an error answered before the status line."""
+        ...
+
+    def error_event(self, exc: ProxyError) -> bytes:
+        """The error that ends a stream whose status line is already sent (a refusal after keep-alives)."""
+        ...
