@@ -9,13 +9,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from harness_adapters.cli import KeySource, make_app
+
 from . import geometry
-from .models import REGISTRY, ModelPrepError, prepare_model
 from .doctor import doctor
+from .keys import ENV_VAR, default_key_file
+from .models import REGISTRY, ModelPrepError, prepare_model
 from .patchtool import app as patches_app
-from proxy.bench_fanout import bench_app
-from harness_adapters.cli import app as adapters_app
 from .profiles import ProfileError, available_profiles, load_profile
+from .tools import bench_app
 
 app = typer.Typer(help="HyperHarness: a patched vLLM behind a token-exact proxy for agent harnesses.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -24,7 +26,7 @@ profiles_app = typer.Typer(help="Launch profiles in configs/.", no_args_is_help=
 app.add_typer(models_app, name="models")
 app.add_typer(profiles_app, name="profiles")
 app.add_typer(patches_app, name="patches")
-app.add_typer(adapters_app, name="adapters")
+app.add_typer(make_app(KeySource(ENV_VAR, default_key_file())), name="adapters")
 app.add_typer(bench_app, name="bench")
 app.command("doctor")(doctor)
 err = Console(stderr=True)
@@ -37,30 +39,30 @@ def default_profile() -> str:
 @app.command()
 def serve(
     profile: str = typer.Option(None, "--profile", "-p", help="configs/<name>.yaml (default: gpu-long with a GPU, else cpu-smol)"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="print the engine argv and pool geometry; start nothing"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the engine argv, the proxy config and the pool geometry; start nothing"),
     host: str = typer.Option(None, help="proxy bind address (default 0.0.0.0 with a key, 127.0.0.1 without)"),
     port: int = typer.Option(None, help="proxy port (default from the profile)"),
     engine_port: int = typer.Option(None, help="engine port on 127.0.0.1 (default from the profile)"),
     no_key: bool = typer.Option(False, "--no-key", help="run without a bearer key (binds 127.0.0.1 only)"),
     key_file: Path = typer.Option(None, help="bearer key file (default ~/.config/hyperharness/api_key)"),
-    run_dir: Path = typer.Option(Path(".run"), help="logs go under RUN_DIR/logs"),
+    run_dir: Path = typer.Option(Path(".run"), help="logs under RUN_DIR/logs; the proxy config and this run's key files under RUN_DIR"),
     redis_url: str = typer.Option(None, help="keep session transcripts in Redis (shared across proxies)"),
 ) -> None:
-    """Start the engine and the proxy in front of it; Ctrl-C stops both."""
+    """Start the engine and the proxy in front of it; Ctrl-C stops both. --dry-run prints the engine argv,
+    the proxy's runtime config and the pool geometry."""
     from .serve import ServeError, plan, print_plan, run
 
     try:
         prof = load_profile(profile or default_profile())
-        extra = ["--redis-url", redis_url] if redis_url else []
-        p = plan(prof, host=host, port=port, engine_port=engine_port, use_key=not no_key,
-                 key_file=key_file, prepare=not dry_run, extra_proxy_args=extra)
+        p = plan(prof, host=host, port=port, engine_port=engine_port, use_key=not no_key, key_file=key_file,
+                 prepare=not dry_run, run_dir=run_dir.resolve(), redis_url=redis_url)
         if dry_run:
             print_plan(p)
             if not p.geometry.fits:
                 err.print("[red]this profile would be refused at boot: the worst case does not fit[/]")
                 raise typer.Exit(2)
             return
-        code = asyncio.run(run(p, run_dir.resolve()))
+        code = asyncio.run(run(p))
     except (ProfileError, ModelPrepError, ServeError, geometry.PoolDoesNotFit) as exc:
         err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
@@ -79,7 +81,7 @@ def replay(
     warmup: bool = typer.Option(True, help="also replay with the proxy's next-turn warm-up"),
 ) -> None:
     """Replay multi-turn agent traces; print prompt, cached and re-prefilled tokens and TTFT per turn."""
-    from proxy.replay import replay_command
+    from .tools.replay import replay_command
 
     replay_command(traces or [], base_url, direct_url, model, api_key, metrics_url, gap, warmup)
 

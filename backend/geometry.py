@@ -130,6 +130,9 @@ class Geometry:
     max_model_len: int
     budget_bytes: int
     budget_source: str
+    attn_layers: int = 0
+    gdn_layers: int = 0
+    spec_tokens: int = 0
 
     @property
     def worst_case_bytes(self) -> int:
@@ -221,6 +224,9 @@ def compute(profile: Profile, shape: ModelShape, device_memory_bytes: int | None
         max_model_len=eng.max_model_len,
         budget_bytes=budget,
         budget_source=source,
+        attn_layers=shape.attn_layers,
+        gdn_layers=shape.gdn_layers,
+        spec_tokens=k,
     )
 
 
@@ -252,3 +258,65 @@ def check(geom: Geometry) -> None:
             f"{geom.worst_case_bytes:,} B > budget {geom.budget_bytes:,} B ({geom.budget_source}); "
             f"lower max_model_len or max_num_seqs, or raise the budget"
         )
+
+
+def kv_groups(attn_layers: int, gdn_layers: int) -> tuple[int, int, int]:
+    """(attention groups, GDN groups, layers per group) as vLLM 0.32 forms KV-cache groups for a uniform
+    page size (`_get_kv_cache_groups_uniform_page_size`): groups of `min` layers, or of `max` when the
+    two counts are within 1.5x, the last one padded."""
+    lo, hi = min(attn_layers, gdn_layers), max(attn_layers, gdn_layers)
+    if lo == 0:  # one kind only: a single group of all its layers
+        return int(attn_layers > 0), int(gdn_layers > 0), hi
+    size = hi if hi < lo * 1.5 else lo
+    return math.ceil(attn_layers / size), math.ceil(gdn_layers / size), size
+
+
+@dataclass(frozen=True)
+class BlockView:
+    """The pool in engine block ids, as vLLM's scheduler and `/metrics` count it: one block id holds a
+    page in each of `group_size` layer tensors; a token block takes one id per attention group, a seat's
+    recurrent state one id per GDN group and state slot, the drafter's window its bytes' worth."""
+
+    group_size: int
+    attn_groups: int
+    gdn_groups: int
+    block_size: int  # tokens per attention block
+    block_bytes: int  # one block id, all the layers of a group
+    pool_blocks: int
+    state_slots_per_seat: int  # per GDN group
+    drafter_blocks_per_seat: int
+    spec_tokens: int
+    seats: int
+
+    @property
+    def seat_blocks(self) -> int:
+        """What a seat holds beyond its tokens' KV."""
+        return self.state_slots_per_seat * self.gdn_groups + self.drafter_blocks_per_seat
+
+    def request_blocks(self, prompt_tokens: int, max_tokens: int) -> int:
+        """A request's worst case: its tokens (and the speculative lookahead) in every attention group,
+        plus its seat's state."""
+        tokens = prompt_tokens + max_tokens + self.spec_tokens
+        return math.ceil(tokens / self.block_size) * self.attn_groups + self.seat_blocks
+
+    def concurrent(self, prompt_tokens: int, max_tokens: int) -> int:
+        """How many such requests the pool holds at once without preemption (at least one, alone)."""
+        return max(1, min(self.seats, self.pool_blocks // self.request_blocks(prompt_tokens, max_tokens)))
+
+
+def block_view(geom: Geometry) -> BlockView:
+    attn_groups, gdn_groups, size = kv_groups(geom.attn_layers, geom.gdn_layers)
+    per_layer_token = geom.kv_bytes_per_token // max(1, geom.attn_layers)
+    block_bytes = geom.block_size * per_layer_token * size
+    return BlockView(
+        group_size=size,
+        attn_groups=attn_groups,
+        gdn_groups=gdn_groups,
+        block_size=geom.block_size,
+        block_bytes=block_bytes,
+        pool_blocks=geom.budget_bytes // block_bytes,
+        state_slots_per_seat=geom.state_slots_per_seat,
+        drafter_blocks_per_seat=math.ceil(geom.drafter_kv_bytes_per_seat / block_bytes),
+        spec_tokens=geom.spec_tokens,
+        seats=geom.seats,
+    )

@@ -1,9 +1,10 @@
 """`hyperharness serve`: the engine behind the proxy, started, watched and stopped as one unit.
 
 Order: resolve the model, hold the profile's worst case against the pool (refuse to boot when it does
-not fit), check both ports, start the engine on 127.0.0.1, start the proxy in front of it, wait for
-both to be healthy, print how to call it; then wait. Ctrl-C / SIGTERM, or either child dying, stops
-both (each child runs in its own process group, so nothing is orphaned).
+not fit), compute the proxy's runtime config (backend/runtime.py), check both ports, start the engine on
+127.0.0.1, write the config and its key files (0600) under the run directory, start the proxy with it,
+wait for both to be healthy, print how to call it; then wait. Ctrl-C / SIGTERM, or either child dying,
+stops both (each child runs in its own process group, so nothing is orphaned).
 """
 from __future__ import annotations
 
@@ -20,11 +21,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from proxy.settings import Settings
+
 from . import geometry
 from .keys import default_key_file, load_or_create_key
 from .launcher import ManagedProcess, engine_argv, engine_env, port_is_free, wait_healthy
 from .models import model_dir, prepare_model
 from .profiles import Profile
+from .runtime import proxy_argv, proxy_settings
 
 console = Console(stderr=True)
 
@@ -40,12 +44,31 @@ class ServePlan:
     geometry: geometry.Geometry
     engine_argv: list[str]
     engine_env_overrides: dict[str, str]
-    proxy_argv: list[str]
-    proxy_host: str
-    proxy_port: int
-    engine_port: int
+    proxy: Settings  # the proxy's runtime config (key files by path; written by `run`)
+    config_path: Path
+    run_dir: Path
     key: str | None
     key_source: str | None
+    engine_key: str  # this run's own engine key, known only to the proxy (VLLM_API_KEY for the engine)
+    # Key files this run writes and removes: the engine's key, and the client key when it came from the
+    # environment (the config names files, never secrets).
+    written_keys: tuple[tuple[Path, str], ...] = ()
+
+    @property
+    def proxy_argv(self) -> list[str]:
+        return proxy_argv(self.config_path)
+
+    @property
+    def proxy_host(self) -> str:
+        return self.proxy.host
+
+    @property
+    def proxy_port(self) -> int:
+        return self.proxy.port
+
+    @property
+    def engine_port(self) -> int:
+        return int(self.proxy.upstream.url.rsplit(":", 1)[1])
 
 
 def resolve_model(profile: Profile, *, prepare: bool) -> Path:
@@ -84,21 +107,28 @@ def device_memory_bytes(profile: Profile) -> int | None:
 
 
 def plan(profile: Profile, *, host: str | None, port: int | None, engine_port: int | None,
-         use_key: bool, key_file: Path | None, prepare: bool, extra_proxy_args: list[str] = ()) -> ServePlan:
+         use_key: bool, key_file: Path | None, prepare: bool, run_dir: Path = Path(".run"),
+         redis_url: str | None = None) -> ServePlan:
     model_path = resolve_model(profile, prepare=prepare)
     geom = geometry.compute(profile, model_shape(profile, model_path), device_memory_bytes(profile))
     key, source = load_or_create_key(key_file or default_key_file(), create=prepare) if use_key else (None, None)
-    proxy_host = host or profile.proxy.host or ("0.0.0.0" if use_key else "127.0.0.1")
-    proxy_port = port or profile.proxy.port
+    keys_dir = run_dir / "keys"
+    engine_key_file = keys_dir / "engine_api_key"
+    engine_key = secrets.token_urlsafe(24)
+    written = [(engine_key_file, engine_key)]
+    api_key_file: Path | None = None
+    if use_key:
+        from_file = source is not None and not source.startswith("$")
+        api_key_file = (key_file or default_key_file()) if from_file else keys_dir / "api_key"
+        if not from_file and key is not None:
+            written.append((api_key_file, key))
     eport = engine_port or profile.proxy.engine_port
-    full_env = engine_env(profile, base={})
-    proxy_argv = [
-        sys.executable, "-m", "proxy", "--host", proxy_host, "--port", str(proxy_port),
-        "--upstream", f"http://127.0.0.1:{eport}", "--model-dir", str(model_path),
-        "--model-name", profile.model.served_name, *extra_proxy_args,
-    ]
-    return ServePlan(profile, model_path, geom, engine_argv(profile, model_path, eport), full_env,
-                     proxy_argv, proxy_host, proxy_port, eport, key, source)
+    settings = proxy_settings(
+        profile, geom, model_path=model_path, host=host or profile.proxy.host or ("0.0.0.0" if use_key else "127.0.0.1"),
+        port=port or profile.proxy.port, engine_url=f"http://127.0.0.1:{eport}", api_key_file=api_key_file,
+        engine_key_file=engine_key_file, redis_url=redis_url)
+    return ServePlan(profile, model_path, geom, engine_argv(profile, model_path, eport), engine_env(profile, base={}),
+                     settings, run_dir / "proxy.json", run_dir, key, source, engine_key, tuple(written))
 
 
 def print_plan(p: ServePlan) -> None:
@@ -109,33 +139,43 @@ def print_plan(p: ServePlan) -> None:
     out.print((env + " " if env else "") + shlex.join(p.engine_argv), soft_wrap=True, markup=False)
     out.print("[bold]proxy argv[/]")
     out.print(shlex.join(p.proxy_argv), soft_wrap=True, markup=False)
+    out.print(f"[bold]proxy runtime config[/] ({p.config_path})")
+    out.print(p.proxy.model_dump_json(indent=2), soft_wrap=True, markup=False)
     table = Table(title="pool geometry", show_header=False)
     for k, v in p.geometry.describe():
         table.add_row(k, v)
     out.print(table)
 
 
-async def run(p: ServePlan, run_dir: Path, health_timeout: float = 900.0) -> int:
+def write_runtime_files(p: ServePlan) -> None:
+    """The key files (0600, in a 0700 folder) and the config that names them."""
+    for path, secret in p.written_keys:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret + "\n")
+    p.proxy.dump(p.config_path)
+
+
+def remove_runtime_files(p: ServePlan) -> None:
+    for path, _ in p.written_keys:
+        path.unlink(missing_ok=True)
+
+
+async def run(p: ServePlan, health_timeout: float = 900.0) -> int:
     geometry.check(p.geometry)
     for name, port, host in (("proxy", p.proxy_port, p.proxy_host), ("engine", p.engine_port, "127.0.0.1")):
         if not port_is_free(port, "0.0.0.0" if host == "0.0.0.0" else "127.0.0.1"):
             raise ServeError(f"port {port} ({name}) is already in use; stop what holds it or pass "
                              f"--{'port' if name == 'proxy' else 'engine-port'} N")
-    logs = run_dir / "logs"
-    # The engine gets a key of its own for this run, known only to the proxy: with our plugin's
-    # middleware it then refuses every route but /health (0.32.0 alone leaves /tokenize, /metrics,
-    # /invocations open), so another local user cannot drive it around the proxy.
-    engine_key = secrets.token_urlsafe(24)
-    engine = ManagedProcess("engine", p.engine_argv, {**engine_env(p.profile), "VLLM_API_KEY": engine_key},
+    logs = p.run_dir / "logs"
+    write_runtime_files(p)
+    # The engine gets a key of its own for this run, known only to the proxy (through its config's key
+    # file): with our plugin's middleware it then refuses every route but /health (0.32.0 alone leaves
+    # /tokenize, /metrics, /invocations open), so another local user cannot drive it around the proxy.
+    engine = ManagedProcess("engine", p.engine_argv, {**engine_env(p.profile), "VLLM_API_KEY": p.engine_key},
                             logs / "engine.log")
-    proxy_env = {**os.environ, "HYPERHARNESS_ENGINE_API_KEY": engine_key,
-                 # the scheduler admits by seats as well as by pool blocks
-                 "HYPERHARNESS_MAX_NUM_SEQS": str(p.profile.engine.max_num_seqs)}
-    if p.key:
-        proxy_env["HYPERHARNESS_API_KEY"] = p.key
-    else:
-        proxy_env.pop("HYPERHARNESS_API_KEY", None)
-    proxy = ManagedProcess("proxy", p.proxy_argv, proxy_env, logs / "proxy.log")
+    proxy = ManagedProcess("proxy", p.proxy_argv, dict(os.environ), logs / "proxy.log")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -178,6 +218,7 @@ async def run(p: ServePlan, run_dir: Path, health_timeout: float = 900.0) -> int
         console.print("stopping proxy and engine…")
         proxy.stop()
         engine.stop()
+        remove_runtime_files(p)
 
 
 class _Stopped(Exception):
