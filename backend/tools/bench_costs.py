@@ -1,13 +1,13 @@
 """The proxy's own costs, measured side by side (a script, not a timed test):
 
-1. render + tokenize + splice for a 100K-token session with 1K new tokens (`ChatService.plan`, the
+1. render + tokenize + splice for a 100K-token session with 1K new tokens (`TurnService.plan`, the
    whole pre-upstream path: validation, identity, store lookup, matching, continuation render,
    prompt serialization), against a fresh render of the same conversation;
 2. added time to first byte: a fast fake engine (separate process) called directly vs through the
    proxy (separate process, one uvicorn worker), pass-through and chat, interleaved, p50/p95;
 3. proxy CPU per streamed event (from /proc/PID/stat), pass-through and chat.
 
-    python -m proxy.bench_costs --model-dir ~/.cache/hyperharness/models/tiny-qwen-hybrid-v1
+    python -m backend.tools.bench_costs --model-dir ~/.cache/hyperharness/models/tiny-qwen-hybrid-v1
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,14 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from backend.runtime import proxy_argv
+from proxy.settings import Settings
+
 # -- 1. render cost ------------------------------------------------------------------------------
 
 
 class _StubUpstream:
-    """Just what `ChatService.plan` asks of the engine: the served model and its window."""
+    """Just what `TurnService.plan` asks of the engine: the served model and its window."""
 
     async def model(self, *, refresh: bool = False) -> Any:
         from proxy.upstream import ModelInfo
@@ -68,16 +72,24 @@ def _session(fmt: Any, target_tokens: int) -> list[dict[str, Any]]:
 
 
 async def render_cost(model_dir: Path, tokens: int, new_tokens: int, reps: int) -> dict[str, float]:
-    from proxy.chat import ChatService
     from proxy.format import load_format
+    from proxy.ingress import Ingress
     from proxy.metrics import Metrics
+    from proxy.quirks import QuirkLog
     from proxy.store.memory import MemoryStore
+    from proxy.turn import TurnService
 
     fmt = load_format(model_dir)
     store = MemoryStore()
-    svc = ChatService(fmt=fmt, upstream=_StubUpstream(), store=store, metrics=Metrics(), model_name="m")  # type: ignore[arg-type]
+    metrics = Metrics()
+    svc = TurnService(fmt=fmt, upstream=_StubUpstream(), store=store, metrics=metrics)  # type: ignore[arg-type]
+    ingress = Ingress(QuirkLog(metrics.registry))
     history = _session(fmt, tokens)
     headers = {"x-session-id": "bench"}
+
+    def request(body: dict[str, Any]) -> Any:  # what the route does before planning
+        return ingress.openai(json.loads(json.dumps(body)), headers, max_model_len=1_000_000)
+
     # Turn N: the whole history ends with a user message; it is stored as if the engine answered it.
     last_call = {
         "role": "assistant",
@@ -87,7 +99,7 @@ async def render_cost(model_dir: Path, tokens: int, new_tokens: int, reps: int) 
         ],
     }
     body_n = {"model": "m", "messages": history + [{"role": "user", "content": "Next file."}]}
-    plan = await svc.plan(body_n, headers)
+    plan = await svc.plan(request(body_n))
     generated = fmt.tokenizer.encode(
         "Reading.\n\n<tool_call>\n<function=read>\n<parameter=path>\nbig.py\n</parameter>\n</function>\n</tool_call>"
     ) + sorted(fmt.stop_token_ids)
@@ -99,14 +111,14 @@ async def render_cost(model_dir: Path, tokens: int, new_tokens: int, reps: int) 
         "messages": list(body_n["messages"])
         + [last_call, {"role": "tool", "tool_call_id": "call_last", "content": big}],
     }
-    splice = await svc.plan(body, headers)
+    splice = await svc.plan(request(body))
     if splice.parent is None:
         raise RuntimeError("benchmark setup error: turn N+1 did not splice")
     new = len(splice.prompt) - len(splice.parent.ids)
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        await svc.plan(body, headers)
+        await svc.plan(request(body))
         times.append(time.perf_counter() - t)
     fresh = []
     for _ in range(max(3, reps // 10)):
@@ -215,25 +227,12 @@ async def _ttfb(s: aiohttp.ClientSession, url: str, body: dict[str, Any], conten
 async def relay_costs(model_dir: Path, reps: int, streams: int, events: int) -> dict[str, float]:
     up_port, px_port = _free_port(), _free_port()
     py = sys.executable
-    fake = subprocess.Popen([py, "-c", f"from proxy.bench_costs import fake_engine_main as m; m({up_port}, 1, 0)"])
+    fake = subprocess.Popen([py, "-c", f"from backend.tools.bench_costs import fake_engine_main as m; m({up_port}, 1, 0)"])
     fake_slow = None
-    proxy = subprocess.Popen(
-        [
-            py,
-            "-m",
-            "proxy",
-            "--port",
-            str(px_port),
-            "--upstream",
-            f"http://127.0.0.1:{up_port}",
-            "--model-dir",
-            str(model_dir),
-            "--model-name",
-            "m",
-            "--log-level",
-            "warning",
-        ]
-    )
+    config = Path(tempfile.mkdtemp(prefix="hh-bench-")) / "proxy.json"
+    Settings(port=px_port, upstream=f"http://127.0.0.1:{up_port}", model_dir=model_dir, model_name="m",
+             log_level="warning").dump(config)
+    proxy = subprocess.Popen(proxy_argv(config, py))
     out: dict[str, float] = {}
     try:
         await _wait(f"http://127.0.0.1:{up_port}/health")
@@ -270,7 +269,7 @@ async def relay_costs(model_dir: Path, reps: int, streams: int, events: int) -> 
         fake.wait()
         # CPU per event: a slower engine that streams `events` events per request, `streams` at once.
         fake_slow = subprocess.Popen(
-            [py, "-c", f"from proxy.bench_costs import fake_engine_main as m; m({up_port}, {events}, 5)"]
+            [py, "-c", f"from backend.tools.bench_costs import fake_engine_main as m; m({up_port}, {events}, 5)"]
         )
         await _wait(f"http://127.0.0.1:{up_port}/health")
         async with aiohttp.ClientSession() as s:
@@ -295,7 +294,7 @@ async def relay_costs(model_dir: Path, reps: int, streams: int, events: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m proxy.bench_costs", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m backend.tools.bench_costs", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", type=Path, required=True)
     ap.add_argument("--tokens", type=int, default=100_000)
     ap.add_argument("--new-tokens", type=int, default=1_000)

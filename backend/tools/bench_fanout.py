@@ -21,21 +21,17 @@ import json
 import os
 import re
 import secrets
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import typer
-
-bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
-
-
-@bench_app.callback()
-def _bench() -> None:
-    """Benchmarks (a group, so `bench fanout` stays a sub-command when it is the only one)."""
+from backend import geometry
+from backend.launcher import ManagedProcess, engine_argv, engine_env, free_port, wait_healthy
+from backend.models import prepare_model
+from backend.profiles import load_profile
+from backend.runtime import proxy_argv, proxy_settings
 
 _PREEMPT = re.compile(r"^vllm:num_preemptions_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
 _WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
@@ -260,10 +256,6 @@ async def _wait_health(url: str, timeout: float) -> None:
 
 
 async def fanout(profile_name: str, engine_url: str | None, log_dir: Path, load_kw: dict[str, Any]) -> str:
-    from backend.launcher import ManagedProcess, engine_argv, engine_env, free_port, wait_healthy
-    from backend.models import prepare_model
-    from backend.profiles import load_profile
-
     profile = load_profile(profile_name)
     model_dir = prepare_model(profile.model.embedded) if profile.model.embedded else Path(str(profile.model.path))
     engine_proc = None
@@ -274,12 +266,12 @@ async def fanout(profile_name: str, engine_url: str | None, log_dir: Path, load_
         engine_proc.start()
         engine_url = f"http://127.0.0.1:{port}"
     pport = free_port()
-    env = dict(os.environ, HYPERHARNESS_MAX_NUM_SEQS=str(profile.engine.max_num_seqs))
-    proxy_proc = ManagedProcess(
-        "proxy",
-        [sys.executable, "-m", "proxy", "--port", str(pport), "--upstream", engine_url, "--model-dir", str(model_dir),
-         "--model-name", profile.model.served_name, "--log-level", "warning"],
-        env, log_dir / f"fanout-proxy-{pport}.log")
+    # The proxy gets the runtime config `serve` would give it for this profile (seats, state pages).
+    geom = geometry.compute(profile, geometry.ModelShape.from_model_dir(model_dir))
+    config = log_dir / f"fanout-proxy-{pport}.json"
+    proxy_settings(profile, geom, model_path=model_dir, host="127.0.0.1", port=pport, engine_url=engine_url,
+                   api_key_file=None, engine_key_file=None, log_level="warning").dump(config)
+    proxy_proc = ManagedProcess("proxy", proxy_argv(config), dict(os.environ), log_dir / f"fanout-proxy-{pport}.log")
     proxy_proc.start()
     proxy_url = f"http://127.0.0.1:{pport}"
     try:
@@ -304,26 +296,3 @@ async def fanout(profile_name: str, engine_url: str | None, log_dir: Path, load_
         proxy_proc.stop()
         if engine_proc is not None:
             engine_proc.stop()
-
-
-@bench_app.command("fanout")
-def fanout_command(
-    profile: str = typer.Option("cpu-fanout", "--profile", "-p", help="small-pool profile (configs/<name>.yaml)"),
-    engine_url: str = typer.Option(None, help="use a running engine of that profile instead of starting one"),
-    subagents: int = typer.Option(8, help="subagent requests fired at once"),
-    sub_tokens: int = typer.Option(128, help="tokens each subagent generates (ignore_eos)"),
-    main_gap: float = typer.Option(1.0, help="seconds between main-agent requests during the burst"),
-    log_dir: Path = typer.Option(Path(".run/logs"), help="engine and proxy logs"),
-) -> None:
-    """Eight subagents + a main agent on a small pool: directly at vLLM vs through the proxy."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    kw = {"subagents": subagents, "sub_tokens": sub_tokens, "main_gap": main_gap}
-    print(asyncio.run(fanout(profile, engine_url, log_dir.resolve(), kw)))
-
-
-def main() -> None:
-    bench_app()
-
-
-if __name__ == "__main__":
-    main()

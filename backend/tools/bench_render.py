@@ -1,4 +1,4 @@
-"""Render cost of a long agent session: `python -m proxy.format.bench [--model-dir DIR]`.
+"""Render cost of a long agent session: `python -m backend.tools.bench_render [--model-dir DIR]`.
 
 Issue goal: render + tokenize a 100K-token history plus 1K new tokens in ≤ 2 ms. The history is
 an agent loop (reasoning, parallel tool calls, tool results) rendered once to warm the chunk

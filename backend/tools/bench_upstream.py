@@ -1,4 +1,4 @@
-"""`python -m proxy.bench_upstream`: the per-request cost of Upstream's reuse tracer (the aiohttp trace
+"""`python -m backend.tools.bench_upstream`: the per-request cost of Upstream's reuse tracer (the aiohttp trace
 hook that lets `Upstream._send` resend a request that met a pooled connection the server had closed).
 
 Two Upstreams on one loopback aiohttp server, one with the tracer and one without, the same

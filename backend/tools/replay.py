@@ -7,7 +7,7 @@ the next turn's prefix during the tool gap, header `x-hyperharness-warmup: 1`), 
 own chat endpoint). Each mode gets its own nonce at the start of every system prompt, so modes never
 share cached blocks.
 
-Trace format (JSONL, one event per line; see proxy/traces/*.jsonl):
+Trace format (JSONL, one event per line; see backend/tools/traces/*.jsonl):
     {"session": S, "start": {"system", "tools", "user", "thinking", "think_end_id", "client", "headers",
                              "max_tokens", "force"}}
     {"session": S, "turn": {"user"?, "tool_results"?, "force"?, "max_tokens"?}}
@@ -361,7 +361,7 @@ def replay_command(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m proxy.replay", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m backend.tools.replay", description=__doc__.split("\n\n")[0])
     p.add_argument("traces", nargs="*", type=Path)
     p.add_argument("--base-url", required=True)
     p.add_argument("--direct-url")

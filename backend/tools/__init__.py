@@ -1,0 +1,41 @@
+"""User-facing tools, apart from the product code: replay of agent traces, the fan-out admission bench,
+the proxy cost benches. They compose backend/ (launcher, profiles, runtime config) and proxy/, so they
+live under the composition root; the CLI imports each one only when its command runs.
+
+    replay.py          `hyperharness replay`: traces through the proxy and straight at vLLM, cache reuse
+    bench_fanout.py    `hyperharness bench fanout`: subagents on a small pool, direct vs proxy
+    bench_costs.py     `python -m backend.tools.bench_costs`: the proxy's added latency and CPU
+    bench_upstream.py  `python -m backend.tools.bench_upstream`: the upstream client's per-request cost
+    bench_render.py    `python -m backend.tools.bench_render`: render / splice cost of a long session
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import typer
+
+bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
+
+
+@bench_app.callback()
+def _bench() -> None:
+    """Benchmarks (a group, so `bench fanout` stays a sub-command when it is the only one)."""
+
+
+@bench_app.command("fanout")
+def fanout_command(
+    profile: str = typer.Option("cpu-fanout", "--profile", "-p", help="small-pool profile (configs/<name>.yaml)"),
+    engine_url: str = typer.Option(None, help="use a running engine of that profile instead of starting one"),
+    subagents: int = typer.Option(8, help="subagent requests fired at once"),
+    sub_tokens: int = typer.Option(128, help="tokens each subagent generates (ignore_eos)"),
+    main_gap: float = typer.Option(1.0, help="seconds between main-agent requests during the burst"),
+    log_dir: Path = typer.Option(Path(".run/logs"), help="engine and proxy logs"),
+) -> None:
+    """Eight subagents + a main agent on a small pool: directly at vLLM vs through the proxy."""
+    from .bench_fanout import fanout
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    kw = {"subagents": subagents, "sub_tokens": sub_tokens, "main_gap": main_gap}
+    print(asyncio.run(fanout(profile, engine_url, log_dir.resolve(), kw)))
