@@ -3,6 +3,7 @@ key and URL work with the official OpenAI SDK, SIGTERM leaves no process behind.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -31,9 +32,9 @@ def test_busy_port_is_a_clear_error(tmp_path, monkeypatch):
         s.listen()
         busy = s.getsockname()[1]
         p = plan(load_profile("cpu-smol"), host=None, port=busy, engine_port=free_port(), use_key=False,
-                 key_file=None, prepare=False)
+                 key_file=None, prepare=False, run_dir=tmp_path)
         with pytest.raises(ServeError, match=f"port {busy} \\(proxy\\) is already in use"):
-            asyncio.run(run(p, tmp_path))
+            asyncio.run(run(p))
 
 
 @pytest.mark.unit
@@ -41,8 +42,8 @@ def test_no_key_binds_loopback(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.delenv("HYPERHARNESS_API_KEY", raising=False)
     p = plan(load_profile("cpu-smol"), host=None, port=None, engine_port=None, use_key=False, key_file=None,
-             prepare=False)
-    assert p.proxy_host == "127.0.0.1" and p.key is None
+             prepare=False, run_dir=tmp_path)
+    assert p.proxy_host == "127.0.0.1" and p.key is None and p.proxy.api_key_file is None
     assert "--host" in p.engine_argv and p.engine_argv[p.engine_argv.index("--host") + 1] == "127.0.0.1"
 
 
@@ -93,9 +94,14 @@ def test_serve_prints_a_working_url_and_key_and_stops_cleanly(tmp_path):
         assert httpx.get(engine + "/health").status_code == 200
         for path in ("/tokenize", "/metrics", "/v1/models"):
             assert httpx.get(engine + path, headers={"Authorization": f"Bearer {key}"}).status_code == 401, path
+        # one runtime config file hands everything to the proxy; it names key files, holds no secret
+        config = tmp_path / "run" / "proxy.json"
+        assert config.stat().st_mode & 0o777 == 0o600 and key not in config.read_text()
+        assert json.loads(config.read_text())["upstreams"][0]["geometry"]["seats"] == 4
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
+    assert not (tmp_path / "run" / "keys" / "engine_api_key").exists()  # this run's engine key is gone
     for p in (port, eport):  # nothing is left listening
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", p)) != 0

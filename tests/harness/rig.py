@@ -214,8 +214,7 @@ class Rig:
     key_file: Path
 
     def quirk_log(self) -> list[Any]:
-        log = self.app.state.services.extras.get("quirks")
-        return list(log.recent) if log else []
+        return list(self.app.state.services.quirk_log.recent)
 
 
 @asynccontextmanager

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from harness_adapters import ADAPTERS, AdapterError, Target, fetch_target
 from harness_adapters.base import BACKUP_SUFFIX, KEY_ENV, default_max_output, set_env_line
-from harness_adapters.cli import app
+from harness_adapters.cli import KeySource, make_app
 
 pytestmark = [pytest.mark.unit]
 
@@ -152,6 +152,7 @@ def test_fetch_target(models_url: str) -> None:
 def test_cli_dry_run_writes_nothing(models_url: str, tmp_path: Path) -> None:
     key = tmp_path / "key"
     key.write_text("sk-secret")
+    app = make_app(KeySource("HH_TEST_UNSET_KEY_VAR", tmp_path / "no-default-key"))
     home = tmp_path / "hermes"
     r = CliRunner().invoke(app, ["install", "hermes", "--base-url", models_url + "/v1", "--key-file", str(key),
                                  "--home", str(home), "--dry-run"])
@@ -164,3 +165,17 @@ def test_cli_dry_run_writes_nothing(models_url: str, tmp_path: Path) -> None:
     assert ADAPTERS["hermes"].show(home)["provider"]["max_output_tokens"] == 128
     r = CliRunner().invoke(app, ["remove", "hermes", "--home", str(home)])
     assert r.exit_code == 0 and ADAPTERS["hermes"].show(home) == {}
+
+
+def test_cli_key_from_the_serve_key_source(models_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No --key-file: the key comes from where the composition root says `serve` keeps it."""
+    default = tmp_path / "api_key"
+    default.write_text("sk-secret\n")
+    app = make_app(KeySource("HH_TEST_KEY_VAR", default))
+    home = tmp_path / "hermes"
+    monkeypatch.delenv("HH_TEST_KEY_VAR", raising=False)
+    r = CliRunner().invoke(app, ["install", "hermes", "--base-url", models_url, "--home", str(home), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    monkeypatch.setenv("HH_TEST_KEY_VAR", "wrong")
+    r = CliRunner().invoke(app, ["install", "hermes", "--base-url", models_url, "--home", str(home), "--dry-run"])
+    assert r.exit_code == 2 and "401" in r.output

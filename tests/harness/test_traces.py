@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from proxy.app import create_app
-from proxy.replay import load_trace, replay
+from backend.tools.replay import load_trace, replay
 from proxy.settings import Settings
 from proxy.store.memory import MemoryStore
 from tests.harness.rig import Exchange

@@ -1,5 +1,5 @@
 """Recorded harness requests -> (a) a compact shape log (what each request looked like on the wire) and
-(b) a trace in the replay tool's format (proxy/replay.py: start / turn / side events), so a real
+(b) a trace in the replay tool's format (backend/tools/replay.py: start / turn / side events), so a real
 session's prompts (system prompt, tools, user turns) can be replayed with `hyperharness replay`.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from proxy.anthropic import to_chat_request
+from proxy.wire.anthropic import to_chat_request
 from proxy.quirks import is_summary_request
 from tests.harness.rig import Exchange
 
@@ -83,7 +83,7 @@ def _client_kind(requests: list[dict[str, Any]]) -> str:
 
 
 def to_replay_trace(session: str, exchanges: list[Exchange]) -> str:
-    """JSONL for proxy/replay.py. The first main request opens the session; each later main request is
+    """JSONL for backend/tools/replay.py. The first main request opens the session; each later main request is
     a turn (its new tool results and user message); summaries and titles are side requests."""
     calls = [(ex, as_chat(ex)) for ex in exchanges if ex.method == "POST" and ex.path in
              ("/v1/chat/completions", "/v1/messages") and isinstance(ex.body, dict)]

@@ -1,4 +1,5 @@
-"""Anthropic Messages on the chat path (proxy/anthropic.py): request and response translation, then
+"""Anthropic Messages on the turn path (proxy/wire/anthropic.py): request translation, the writer of a
+turn's typed events, then
 `/v1/messages` end to end through the official anthropic SDK against a fake vLLM and a toy format,
 streamed and not, including a two-turn tool loop that must splice (append-only prompt)."""
 
@@ -13,10 +14,12 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from proxy import anthropic as am
 from proxy.app import create_app
 from proxy.errors import InvalidRequest
+from proxy.format.base import Delta, DeltaKind, ParsedOutput, ToolCall
+from proxy.reply import FinalEvent, Usage, assistant_message
 from proxy.settings import Settings
+from proxy.wire import anthropic as am
 from proxy.store.memory import MemoryStore
 from tests.proxy.fake_format import IM_END, ToyFormat, enc
 from tests.proxy.fake_vllm import FakeVLLM, fake_vllm_server, serve_app
@@ -81,13 +84,16 @@ def test_disable_parallel_tool_use_and_named_stop_reason() -> None:
     chat = am.to_chat_request({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": choice})
     assert chat["parallel_tool_calls"] is False
     # A forced named call finishes with "stop" on the OpenAI side; Anthropic says tool_use.
-    call = {"id": "c", "type": "function", "function": {"name": "read", "arguments": "{}"}}
-    completion = {"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": None,
-                                                                   "tool_calls": [call]}}]}
-    assert am.to_message(completion, "hh")["stop_reason"] == "tool_use"
+    final = _final(ParsedOutput(None, None, (ToolCall("c", "read", "{}"),)), "stop", Usage(1, 1, 0))
+    assert am.to_message(final, "hh")["stop_reason"] == "tool_use"
     s = am.MessageStream("hh", 1)
-    s.feed({"choices": [{"delta": {"tool_calls": [{"index": 0, **call}]}, "finish_reason": "stop"}]})
-    assert json.loads(s.end()[-2].split(b"data: ")[1])["delta"]["stop_reason"] == "tool_use"
+    s.deltas([Delta(DeltaKind.TOOL_CALL, index=0, id="c", name="read"), Delta(DeltaKind.ARGUMENTS, "{}")])
+    assert json.loads(s.end(final)[-2].split(b"data: ")[1])["delta"]["stop_reason"] == "tool_use"
+
+
+def _final(parsed: ParsedOutput, finish: str, usage: Usage, tail: list[Delta] | None = None) -> FinalEvent:
+    return FinalEvent(finish=finish, reply=assistant_message(parsed), parsed=parsed, tail=tail or [], generated=[],
+                      usage=usage)
 
 
 @pytest.mark.parametrize("body", [
@@ -107,12 +113,8 @@ def test_tool_result_error_flag() -> None:
 
 
 def test_response_translation() -> None:
-    completion = {"choices": [{"finish_reason": "tool_calls", "message": {
-        "role": "assistant", "content": "Reading.", "reasoning_content": "hmm",
-        "tool_calls": [{"id": "call_1", "type": "function",
-                        "function": {"name": "read", "arguments": '{"path":"a"}'}}]}}],
-        "usage": {"prompt_tokens": 100, "completion_tokens": 9, "prompt_tokens_details": {"cached_tokens": 64}}}
-    msg = am.to_message(completion, "hh")
+    parsed = ParsedOutput("Reading.", "hmm", (ToolCall("call_1", "read", '{"path":"a"}'),))
+    msg = am.to_message(_final(parsed, "tool_calls", Usage(100, 9, 64)), "hh")
     assert [b["type"] for b in msg["content"]] == ["thinking", "text", "tool_use"]
     assert msg["content"][2]["input"] == {"path": "a"}
     assert msg["stop_reason"] == "tool_use"
@@ -132,25 +134,22 @@ def _events(raw: list[bytes]) -> list[tuple[str, dict[str, Any]]]:
 def test_stream_translation_blocks() -> None:
     s = am.MessageStream("hh", 10)
     out = [s.start()]
-    chunks = [
-        {"choices": [{"delta": {"role": "assistant", "content": ""}}]},
-        {"choices": [{"delta": {"reasoning_content": "th", "reasoning": "th"}}]},
-        {"choices": [{"delta": {"reasoning_content": "ink"}}]},
-        {"choices": [{"delta": {"content": "Hi"}}]},
-        {"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "c1", "type": "function",
-                                                "function": {"name": "read", "arguments": ""}}]}}]},
-        {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"path":"a"}'}}]}}]},
-        {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]},
-        {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 5,
-                                  "prompt_tokens_details": {"cached_tokens": 4}}},
-    ]
-    for c in chunks:
-        out += s.feed(c)
-    out += s.end()
+    for deltas in (
+        [Delta(DeltaKind.REASONING, "th")],
+        [Delta(DeltaKind.REASONING, "ink"), Delta(DeltaKind.CONTENT, "Hi")],
+        [Delta(DeltaKind.TOOL_CALL, index=0, id="c1", name="read")],
+        [Delta(DeltaKind.ARGUMENTS, '{"path":"a"}', index=0)],
+        [Delta(DeltaKind.TOOL_CALL, index=1, id="c2", name="read")],
+    ):
+        out += s.deltas(deltas)
+    # The second call's arguments were not streamed: they come in the final event's tail.
+    parsed = ParsedOutput("Hi", "think", (ToolCall("c1", "read", '{"path":"a"}'), ToolCall("c2", "read", "{}")))
+    out += s.end(_final(parsed, "tool_calls", Usage(10, 5, 4), tail=[Delta(DeltaKind.ARGUMENTS, "{}", index=1)]))
     names = [n for n, _ in _events(out)]
     assert names == ["message_start",
                      "content_block_start", "content_block_delta", "content_block_delta", "content_block_delta",
                      "content_block_stop",
+                     "content_block_start", "content_block_delta", "content_block_stop",
                      "content_block_start", "content_block_delta", "content_block_stop",
                      "content_block_start", "content_block_delta", "content_block_stop",
                      "message_delta", "message_stop"]
@@ -158,6 +157,7 @@ def test_stream_translation_blocks() -> None:
     assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
     assert events[-2][1]["usage"]["cache_read_input_tokens"] == 4
     assert events[9][1]["content_block"]["name"] == "read"
+    assert events[13][1]["delta"] == {"type": "input_json_delta", "partial_json": "{}"}
 
 
 # --- /v1/messages end to end ----------------------------------------------------------------------------

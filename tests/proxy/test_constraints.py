@@ -15,7 +15,7 @@ import pytest_asyncio
 
 from proxy import constraints
 from proxy.app import create_app
-from proxy.chat_output import ChunkWriter
+from proxy.wire.openai import ChunkWriter
 from proxy.constraints import JsonToolCallParser, ToolChoice, json_tool_outputs, response_format_outputs, tool_choice
 from proxy.errors import InvalidRequest
 from proxy.format.base import Delta, DeltaKind

@@ -5,15 +5,17 @@ from __future__ import annotations
 import pytest
 
 from proxy.errors import ContextLengthExceeded, InvalidRequest
+from proxy.ingress import Ingress
 from proxy.normalize import (
     cap_max_tokens,
     drop_unsupported_fields,
     normalize,
     stable_tool_definitions,
-    thinking_kwargs,
+    template_kwargs,
     tools_key,
 )
 from proxy.protocol import parse_chat_request, validate_messages
+from proxy.quirks import QuirkLog
 
 pytestmark = pytest.mark.unit
 
@@ -50,8 +52,12 @@ def test_stable_tool_definitions_and_key() -> None:
         ({"chat_template_kwargs": {"enable_thinking": False}}, False),
     ],
 )
-def test_thinking_kwargs(extra, expected) -> None:  # type: ignore[no-untyped-def]
-    assert thinking_kwargs(req(**extra), {"enable_thinking": True})["enable_thinking"] is expected
+def test_thinking_switch_is_decided_once_at_ingress(extra, expected) -> None:  # type: ignore[no-untyped-def]
+    turn = Ingress(QuirkLog(), default_thinking=True).openai(body_of(**extra), {}, max_model_len=4096)
+    assert turn.thinking is expected
+    # The switch never reaches the renderer's kwargs by another road.
+    assert "enable_thinking" not in turn.chat.template_kwargs
+    assert "enable_thinking" not in template_kwargs(req(**extra))
 
 
 def test_drop_unsupported_fields() -> None:
@@ -89,7 +95,7 @@ def test_normalize_pipeline() -> None:
         stream=True,
         stream_options={"include_usage": True},
     )
-    n = normalize(parse_chat_request(b), b, {"enable_thinking": True})
+    n = normalize(parse_chat_request(b), b)
     assert [m["role"] for m in n.messages] == ["developer", "user", "assistant"]  # as sent: the renderer maps
     assert n.messages[2]["reasoning"] == "r"
     assert (n.max_tokens, n.stream, n.include_usage) == (7, True, True)

@@ -12,6 +12,7 @@ import pytest
 import pytest_asyncio
 
 from proxy import quirks
+from proxy.admission import Priority
 from proxy.app import create_app
 from proxy.settings import Settings
 from proxy.store.memory import MemoryStore
@@ -25,7 +26,7 @@ KEY = "sk-quirks"
 USER = {"role": "user", "content": "hi"}
 
 
-# --- harness and session identity -------------------------------------------------------------------
+# --- harness identity -------------------------------------------------------------------
 
 @pytest.mark.parametrize("headers, harness", [
     ({"x-harness": "Pi"}, "pi"),
@@ -39,55 +40,28 @@ def test_identify_harness(headers: dict[str, str], harness: str) -> None:
     assert quirks.identify_harness(headers) == harness
 
 
-def test_session_ids_headers_first_then_body() -> None:
-    ids = quirks.session_ids({"x-deepseek-harness-session-id": "dsh-1", "x-parent-session-id": "p"},
-                             {"prompt_cache_key": "other"})
-    assert ids == quirks.SessionIds("dsh-1", "p", "x-deepseek-harness-session-id")
-    ids = quirks.session_ids({}, {"prompt_cache_key": "pi-uuid"})
-    assert (ids.session, ids.source, ids.parent) == ("pi-uuid", "prompt_cache_key", None)
-    assert quirks.session_ids({}, {}) == quirks.SessionIds(None, None, "none")
-
-
-def test_session_ids_from_dsh_session_log() -> None:
-    body = {"dsh_session_log": {"sessionId": "child", "parentSessionId": "parent"}}
-    assert quirks.session_ids({}, body) == quirks.SessionIds("child", "parent", "dsh_session_log")
-    seen = {"version": 1, "session": {"version": 4, "id": "session-4ace", "cwd": "/w"}, "events": []}  # 0.2.1
-    assert quirks.session_ids({}, {"dsh_session_log": seen}) == quirks.SessionIds("session-4ace", None,
-                                                                                   "dsh_session_log")
-
-
 # --- priority classes --------------------------------------------------------------------------------
 
 def test_priority_background_for_compaction_and_summaries() -> None:
-    assert quirks.priority_class({"x-deepseek-harness-compact": "1"}, {}, None) == "background"
+    assert quirks.priority_class({"x-deepseek-harness-compact": "1"}, {}, None) == Priority.BACKGROUND
     pi_summary = {"messages": [{"role": "system", "content": "You are a context summarization assistant. ..."},
                                USER]}
-    assert quirks.priority_class({}, pi_summary, None) == "background"
+    assert quirks.priority_class({}, pi_summary, None) == Priority.BACKGROUND
     title = {"system": [{"type": "text", "text": "Generate a title for this session in five words."}]}
-    assert quirks.priority_class({}, title, None) == "background"
+    assert quirks.priority_class({}, title, None) == Priority.BACKGROUND
     dsh_title = {"messages": [{"role": "system", "content": "Create a concise title for an AI coding-assistant"
                                                             " session from the supplied human messages.\nReturn"},
                               USER]}
-    assert quirks.priority_class({}, dsh_title, None) == "background"
+    assert quirks.priority_class({}, dsh_title, None) == Priority.BACKGROUND
     assert quirks.priority_class({}, {"messages": [{"role": "system", "content": "You are a coding agent.\n"
-                                                   "Give each file a title."}, USER]}, None) == "interactive"
-
-
-def test_side_requests_get_their_own_transcript() -> None:
-    """DSH's title request carries the session's prompt_cache_key; it must not land on its transcript."""
-    body = {"prompt_cache_key": "session-1", "messages": [
-        {"role": "system", "content": "Create a concise title for an AI coding-assistant session."}, USER]}
-    log = quirks.QuirkLog()
-    _, headers = quirks.prepare_chat(body, {}, max_model_len=100, quirk_log=log)
-    assert headers["x-session-id"] == "session-1/side"
-    assert log.recent[-1].session.key == "h:session-1/side" and log.recent[-1].priority == "background"
+                                                   "Give each file a title."}, USER]}, None) == Priority.INTERACTIVE
 
 
 def test_priority_subagent_and_explicit() -> None:
-    assert quirks.priority_class({}, {"messages": [USER]}, "parent") == "subagent"
-    assert quirks.priority_class({}, {"messages": [USER]}, None) == "interactive"
-    assert quirks.priority_class({quirks.PRIORITY_HEADER: "background"}, {}, None) == "background"
-    assert quirks.priority_class({quirks.PRIORITY_HEADER: "urgent!"}, {}, None) == "interactive"
+    assert quirks.priority_class({}, {"messages": [USER]}, "parent") == Priority.SUBAGENT
+    assert quirks.priority_class({}, {"messages": [USER]}, None) == Priority.INTERACTIVE
+    assert quirks.priority_class({quirks.PRIORITY_HEADER: "background"}, {}, None) == Priority.BACKGROUND
+    assert quirks.priority_class({quirks.PRIORITY_HEADER: "urgent!"}, {}, None) == Priority.INTERACTIVE
 
 
 # --- thinking switch ----------------------------------------------------------------------------------
@@ -105,14 +79,6 @@ def test_priority_subagent_and_explicit() -> None:
 ])
 def test_thinking_switch(body: dict[str, Any], switch: bool | None) -> None:
     assert quirks.thinking_switch(body) is switch
-
-
-def test_apply_thinking_switch_writes_template_kwargs_only() -> None:
-    body: dict[str, Any] = {"thinking": {"type": "enabled"}, "output_config": {"effort": "high"}, "think": True,
-                            "chat_template_kwargs": {"preserve_thinking": True}}
-    assert quirks.apply_thinking_switch(body)
-    assert body == {"chat_template_kwargs": {"preserve_thinking": True, "enable_thinking": True}}
-    assert not quirks.apply_thinking_switch({"messages": []})
 
 
 # --- payload, max_tokens, files, probes ----------------------------------------------------------------
@@ -146,20 +112,6 @@ def test_probe_answers() -> None:
     for path in ("/api/v1/models", "/api/tags", "/props", "/v1/props"):
         status, body = quirks.probe_answer(path, "0.32.0")
         assert status == 404 and "vLLM-compatible" in body["error"]["message"]
-
-
-def test_prepare_chat_records_what_it_did() -> None:
-    log = quirks.QuirkLog()
-    body = {"messages": [{"role": "developer", "content": "sys"}, USER], "max_tokens": 70000,
-            "reasoning_effort": "none", "think": False, "dsh_session_log": {}}
-    out, headers = quirks.prepare_chat(body, {"X-Harness": "hermes", "X-Session-Id": "h-1"}, max_model_len=65536,
-                                       quirk_log=log)
-    assert "max_tokens" not in out and "dsh_session_log" not in out
-    assert out["chat_template_kwargs"] == {"enable_thinking": False}
-    assert headers[quirks.PRIORITY_HEADER] == "interactive" and headers["x-session-id"] == "h-1"
-    (info,) = log.recent
-    assert (info.harness, info.session.key, info.session.source) == ("hermes", "h:h-1", "x-session-id")
-    assert set(info.quirks) == {"dsh_payload", "thinking_switch", "whole_context_max_tokens", "developer_role"}
 
 
 # --- hooked into the app ----------------------------------------------------------------------------------
@@ -218,8 +170,8 @@ async def test_hermes_whole_context_request_is_served(env: Env) -> None:
     assert r.json()["choices"][0]["message"]["content"] == "ok"
     sent = env.fake.requests[-1]
     assert sent["max_tokens"] == 400 - len(sent["prompt"])
-    info = env.app.state.services.extras["quirks"].recent[-1]
-    assert (info.harness, info.session.key, info.priority) == ("hermes", "h:hermes-1", "interactive")
+    info = env.app.state.services.quirk_log.recent[-1]
+    assert (info.harness, info.session.key, info.priority) == ("hermes", "h:hermes-1", Priority.INTERACTIVE)
     assert "whole_context_max_tokens" in info.quirks
 
 

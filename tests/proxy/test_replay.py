@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from proxy.app import create_app
-from proxy.replay import bundled_traces, echo, load_trace, replay
+from backend.tools.replay import bundled_traces, echo, load_trace, replay
 from proxy.settings import Settings
 from proxy.store.memory import MemoryStore
 from tests.proxy.fake_format import IM_END, ToyFormat, enc

@@ -11,28 +11,23 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from backend.geometry import ModelShape
-from proxy.admission import Footprint
+from proxy.admission import Footprint, Priority
 from proxy.app import create_app
+from proxy.errors import ProxyError
 from proxy.scheduler import (
     PoolGeometry,
-    Priority,
-    PromptFootprint,
     Queued,
     QueueFull,
     QueueTimeout,
     Scheduler,
-    SchedulerConfig,
     SeatTicket,
     hold,
-    infer_priority,
     read_metrics,
     worst_case_blocks,
 )
 from proxy.scheduler.footprint import PrefixIndex, prefix_hashes
 from proxy.scheduler.hold import KEEPALIVE, ClientGone
-from proxy.scheduler.pool import kv_groups
-from proxy.settings import Settings
+from proxy.settings import EngineGeometry, SchedulerConfig, Settings
 from proxy.store.memory import MemoryStore
 from tests.proxy.fake_format import ToyFormat
 from tests.proxy.fake_vllm import FakeVLLM, fake_vllm_server, serve_app
@@ -53,14 +48,15 @@ METRICS = (
 
 
 def foot(session: str, tokens: int, max_tokens: int = 0, priority: str = "subagent",
-         prompt: list[int] | None = None) -> PromptFootprint:
-    return PromptFootprint(session=session, prompt_tokens=tokens, max_tokens=max_tokens, reused_tokens=0,
-                           priority=priority, prompt=prompt or [])
+         prompt: list[int] | None = None) -> Footprint:
+    return Footprint(session=session, prompt_tokens=tokens, max_tokens=max_tokens, reused_tokens=0,
+                     priority=Priority[priority.upper()], prompt=prompt or [])
 
 
-def sched(blocks: int = 100, block: int = 16, **cfg: object) -> Scheduler:
+def sched(blocks: int = 100, block: int = 16, seats: int | None = None, **cfg: object) -> Scheduler:
     config = SchedulerConfig(**{"reserve_fraction": 0.0, "reserve_seats": 0, **cfg})  # type: ignore[arg-type]
-    return Scheduler(config, geometry=PoolGeometry(num_blocks=blocks, block_size=block))
+    return Scheduler(config, engine=EngineGeometry(seats=seats),
+                     geometry=PoolGeometry(num_blocks=blocks, block_size=block))
 
 
 async def settle() -> None:
@@ -78,14 +74,16 @@ def test_read_metrics() -> None:
     assert read_metrics("vllm:num_requests_running 0\n")[0] is None  # older engine: no geometry
 
 
-def test_hybrid_state_pages_and_groups() -> None:
-    shape = ModelShape.named("tiny-qwen-hybrid")  # 1 attention + 3 GDN layers
+def test_hybrid_state_pages_come_from_the_runtime_config() -> None:
+    # tiny-qwen-hybrid: 1 attention + 3 GDN layers -> 3 GDN groups of (2 + k) slots in align mode
     labels = {"num_gpu_blocks": "500", "block_size": "64", "mamba_cache_mode": "align"}
-    g = PoolGeometry.from_cache_config(labels, shape, spec_tokens=0)
-    assert (g.attn_groups, g.state_blocks_per_seat) == (1, 3 * 2)  # 3 GDN groups x (2 + k) slots
-    assert PoolGeometry.from_cache_config(labels, shape, spec_tokens=3).state_blocks_per_seat == 3 * 5
+    engine = EngineGeometry(attn_groups=1, gdn_groups=3, state_slots_per_seat=2)
+    g = PoolGeometry.from_cache_config(labels, engine)
+    assert (g.num_blocks, g.block_size, g.attn_groups, g.state_blocks_per_seat) == (500, 64, 1, 3 * 2)
+    spec = EngineGeometry(gdn_groups=3, state_slots_per_seat=5, drafter_blocks_per_seat=2, spec_tokens=3)
+    assert PoolGeometry.from_cache_config(labels, spec).state_blocks_per_seat == 3 * 5 + 2
+    assert PoolGeometry.from_cache_config(labels, spec).spec_tokens == 3
     assert not g.shares_prefixes  # a hybrid hit needs a GDN state at the same boundary: not counted
-    assert kv_groups(16, 48) == (1, 3) and kv_groups(12, 13) == (1, 1) and kv_groups(30, 0) == (1, 0)
     assert worst_case_blocks(Footprint("s", 100, 28, 0), g) == 2 + 6
 
 
@@ -106,19 +104,6 @@ def test_prefix_hashes_skip_the_last_token() -> None:
     assert idx.release(a) == 1 and idx.release(a[:1]) == 1 and len(idx) == 0
 
 
-def test_priority_inference() -> None:
-    assert infer_priority({}, {}) == Priority.INTERACTIVE
-    assert infer_priority({"x-deepseek-harness-compact": "1"}, {}) == Priority.BACKGROUND
-    assert infer_priority({"x-parent-session-id": "p"}, {}) == Priority.SUBAGENT
-    pi = {"messages": [{"role": "system", "content": "You are a context summarization assistant."}]}
-    assert infer_priority({}, pi) == Priority.BACKGROUND
-    assert infer_priority({"x-hyperharness-priority": "interactive"}, pi) == Priority.INTERACTIVE
-
-
-def test_config_from_env() -> None:
-    cfg = SchedulerConfig.from_env({"HYPERHARNESS_MAX_NUM_SEQS": "4", "HYPERHARNESS_SCHED_MAX_WAIT_S": "5",
-                                    "HYPERHARNESS_SCHED_RESERVE_FRACTION": "0.2"})
-    assert (cfg.seats, cfg.max_wait_s, cfg.reserve_fraction) == (4, (5.0, 5.0, 5.0), 0.2)
 
 
 # -- admission ------------------------------------------------------------------------------------
@@ -284,7 +269,7 @@ async def test_queue_limits() -> None:
 
 async def test_disabled_or_blind_admits_everything() -> None:
     off = Scheduler(SchedulerConfig(enabled=False))
-    blind = Scheduler(SchedulerConfig(seats=2, reserve_seats=0))  # no geometry read yet: seats only
+    blind = Scheduler(SchedulerConfig(reserve_seats=0), engine=EngineGeometry(seats=2))  # no pool read: seats only
     tickets = [await off.acquire(foot("a", 10**6)) for _ in range(5)]
     tickets += [await blind.acquire(foot("a", 10**6)) for _ in range(2)]
     assert blind.running == 2
@@ -298,17 +283,20 @@ async def _never_disconnected() -> bool:
     return False
 
 
+def _refused(exc: ProxyError) -> bytes:
+    return b"refused: " + exc.message.encode()
+
+
 async def test_hold_streams_keepalives_then_the_answer() -> None:
     gate: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    s = Scheduler(SchedulerConfig(keepalive_after_s=0.05, keepalive_every_s=0.05))
-    held = await hold(gate, stream=True, is_disconnected=_never_disconnected, admission=s)
+    held = await hold(gate, stream=True, is_disconnected=_never_disconnected, after_s=0.05, every_s=0.05)
     assert isinstance(held, Queued)
 
     async def body(text: str) -> AsyncIterator[bytes]:
         yield text.encode()
 
     chunks: list[bytes] = []
-    it = held.sse(body)
+    it = held.body(body, _refused)
     chunks.append(await it.__anext__())
     chunks.append(await it.__anext__())
     gate.set_result("data: hi\n\n")
@@ -327,7 +315,7 @@ async def test_hold_client_gone_cancels_the_wait() -> None:
         return calls > 1
 
     with pytest.raises(ClientGone):
-        await hold(s.acquire(foot("b", 100)), stream=False, is_disconnected=gone, admission=s)
+        await hold(s.acquire(foot("b", 100)), stream=False, is_disconnected=gone, after_s=2, every_s=10)
     assert len(s.queue) == 0
     t.release()
 
@@ -336,10 +324,12 @@ async def test_hold_client_gone_cancels_the_wait() -> None:
 
 async def test_http_429_with_retry_after_and_keepalive() -> None:
     fake = FakeVLLM(delay_s=0.3)
-    s = sched(blocks=10, block=10, seats=1, max_queue=1, keepalive_after_s=0.05, keepalive_every_s=0.1)
+    policy = SchedulerConfig(reserve_fraction=0, reserve_seats=0, max_queue=1, keepalive_after_s=0.05,
+                             keepalive_every_s=0.1)
+    s = Scheduler(policy, engine=EngineGeometry(seats=1), geometry=PoolGeometry(num_blocks=10, block_size=10))
     async with fake_vllm_server(fake) as upstream:
-        app = create_app(Settings(upstream=upstream, model_name="m"), fmt=ToyFormat(), store=MemoryStore(),
-                         admission=s)
+        app = create_app(Settings(upstream=upstream, model_name="m", scheduler=policy), fmt=ToyFormat(),
+                         store=MemoryStore(), admission=s)
         async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
             def req(i: int, stream: bool = False) -> dict[str, object]:
                 return {"model": "m", "stream": stream, "messages": [{"role": "user", "content": f"q{i}"}]}
@@ -371,8 +361,7 @@ async def test_http_429_with_retry_after_and_keepalive() -> None:
 
 async def test_hold_admitted_as_the_client_leaves_still_cleans_up() -> None:
     gate: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    s = Scheduler(SchedulerConfig(keepalive_after_s=0.0, keepalive_every_s=0.05))
-    held = await hold(gate, stream=True, is_disconnected=_never_disconnected, admission=s)
+    held = await hold(gate, stream=True, is_disconnected=_never_disconnected, after_s=0.0, every_s=0.05)
     assert isinstance(held, Queued)
     closed: list[str] = []
 
@@ -383,10 +372,42 @@ async def test_hold_admitted_as_the_client_leaves_still_cleans_up() -> None:
         finally:
             closed.append(text)
 
-    it = held.sse(body)
+    it = held.body(body, _refused)
     assert await it.__anext__() == KEEPALIVE
     gate.set_result("turn")  # admitted ...
     await it.aclose()  # ... while the client goes away at the keep-alive
     for _ in range(10):
         await asyncio.sleep(0)
     assert closed == ["turn"]
+
+
+async def test_anthropic_stream_queued_gets_keepalives_and_leaves_on_disconnect() -> None:
+    """Regression (issue 22): /v1/messages took its own path around `hold()`: a queued Anthropic client
+    (DeepSeek Harness) got no keep-alive, and one that disconnected while queued stayed in the queue."""
+    fake = FakeVLLM(delay_s=0.2)
+    policy = SchedulerConfig(reserve_fraction=0, reserve_seats=0, keepalive_after_s=0.05, keepalive_every_s=0.05)
+    s = Scheduler(policy, engine=EngineGeometry(seats=1), geometry=PoolGeometry(num_blocks=10, block_size=10))
+    messages = {"model": "m", "max_tokens": 5, "stream": True, "messages": [{"role": "user", "content": "q"}]}
+    async with fake_vllm_server(fake) as upstream:
+        app = create_app(Settings(upstream=upstream, model_name="m", scheduler=policy), fmt=ToyFormat(),
+                         store=MemoryStore(), admission=s)
+        async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
+            fake.scripts.append(([11] * 20, ["a"] * 20, "stop"))  # holds the only seat for ~4 s
+            running = asyncio.ensure_future(c.post("/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "long"}]}))
+            while s.running == 0:
+                await asyncio.sleep(0.01)
+            async with c.stream("POST", "/v1/messages", json=messages) as r:
+                assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+                chunks = r.aiter_bytes()
+                first = await asyncio.wait_for(anext(chunks), 2)
+                assert first.startswith(KEEPALIVE)  # the harness' watchdog sees bytes while it waits
+                assert len(s.queue) == 1
+            # the client hung up while queued: it leaves the queue, it never takes the seat
+            for _ in range(200):
+                if len(s.queue) == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(s.queue) == 0 and s.running == 1
+            assert (await running).status_code == 200
+    assert s.running == 0 and len(fake.requests) == 1  # the queued request never reached the engine

@@ -17,17 +17,19 @@ import httpx
 import pytest
 import pytest_asyncio
 
+from backend import geometry
+from backend.profiles import load_profile
+from backend.runtime import proxy_settings
+from backend.tools.bench_fanout import Load, _sub_body, run_mode
 from proxy.app import create_app
-from proxy.bench_fanout import Load, _sub_body, run_mode
 from proxy.scheduler import Scheduler
-from proxy.settings import Settings
 from tests.conftest import Engine, _start_engine
 from tests.engine_patches.replay import cpu_bind
 from tests.proxy.fake_vllm import serve_app
 
 pytestmark = [pytest.mark.engine]
 
-# The benchmark's own load (proxy/bench_fanout.py): 8 subagents of ~5 prompt + 4 output blocks each on
+# The benchmark's own load (backend/tools/bench_fanout.py): 8 subagents of ~5 prompt + 4 output blocks each on
 # a 40-block pool, so their prompts fit and their worst cases do not; a main agent alongside.
 LOAD = Load(model="smollm2-135m", idle_mains=1, main_gap=2.0)
 
@@ -52,13 +54,16 @@ class Env:
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def env(fanout_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Env]:
-    monkeypatch.setenv("HYPERHARNESS_MAX_NUM_SEQS", "16")
-    settings = Settings(upstream=fanout_engine.base_url, model_dir=fanout_engine.model_dir,
-                        model_name=fanout_engine.model_name)
+async def env(fanout_engine: Engine) -> AsyncIterator[Env]:
+    # The runtime config `serve` computes for this profile (16 seats, the engine's pool).
+    profile = load_profile("cpu-fanout")
+    geom = geometry.compute(profile, geometry.ModelShape.from_model_dir(fanout_engine.model_dir))
+    settings = proxy_settings(profile, geom, model_path=fanout_engine.model_dir, host="127.0.0.1", port=0,
+                              engine_url=fanout_engine.base_url, api_key_file=None, engine_key_file=None)
+    assert settings.upstream.geometry.seats == 16
     app = create_app(settings)
     async with serve_app(app) as url:
-        scheduler = app.state.services.chat.admission
+        scheduler = app.state.services.turns.admission
         assert isinstance(scheduler, Scheduler) and scheduler.geometry is not None
         yield Env(fanout_engine, url, scheduler)
 

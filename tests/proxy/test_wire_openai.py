@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from proxy.chat_output import ArgumentsGate, ChunkWriter, finish_reason
+from proxy.reply import finish_reason
+from proxy.turn import ArgumentsGate
+from proxy.wire.openai import ChunkWriter
 from proxy.format.base import Delta, DeltaKind, ParsedOutput, ToolCall
 
 pytestmark = pytest.mark.unit
