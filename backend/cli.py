@@ -38,14 +38,17 @@ def default_profile() -> str:
 
 @app.command()
 def serve(
-    profile: str = typer.Option(None, "--profile", "-p", help="configs/<name>.yaml (default: gpu-long with a GPU, else cpu-smol)"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="print the engine argv, the proxy config and the pool geometry; start nothing"),
+    profile: str = typer.Option(None, "--profile", "-p",
+                                help="configs/<name>.yaml (default: gpu-long with a GPU, else cpu-smol)"),
+    dry_run: bool = typer.Option(False, "--dry-run",
+                                 help="print the engine argv, the proxy config and the pool geometry; start nothing"),
     host: str = typer.Option(None, help="proxy bind address (default 0.0.0.0 with a key, 127.0.0.1 without)"),
     port: int = typer.Option(None, help="proxy port (default from the profile)"),
     engine_port: int = typer.Option(None, help="engine port on 127.0.0.1 (default from the profile)"),
     no_key: bool = typer.Option(False, "--no-key", help="run without a bearer key (binds 127.0.0.1 only)"),
     key_file: Path = typer.Option(None, help="bearer key file (default ~/.config/hyperharness/api_key)"),
-    run_dir: Path = typer.Option(Path(".run"), help="logs under RUN_DIR/logs; the proxy config and this run's key files under RUN_DIR"),
+    run_dir: Path = typer.Option(Path(".run"),
+                                 help="logs under RUN_DIR/logs; the proxy config and this run's key files in RUN_DIR"),
     redis_url: str = typer.Option(None, help="keep session transcripts in Redis (shared across proxies)"),
 ) -> None:
     """Start the engine and the proxy in front of it; Ctrl-C stops both. --dry-run prints the engine argv,

@@ -9,11 +9,11 @@ stops both (each child runs in its own process group, so nothing is orphaned).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import shlex
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,8 +123,9 @@ def plan(profile: Profile, *, host: str | None, port: int | None, engine_port: i
         if not from_file and key is not None:
             written.append((api_key_file, key))
     eport = engine_port or profile.proxy.engine_port
+    bind = host or profile.proxy.host or ("0.0.0.0" if use_key else "127.0.0.1")
     settings = proxy_settings(
-        profile, geom, model_path=model_path, host=host or profile.proxy.host or ("0.0.0.0" if use_key else "127.0.0.1"),
+        profile, geom, model_path=model_path, host=bind,
         port=port or profile.proxy.port, engine_url=f"http://127.0.0.1:{eport}", api_key_file=api_key_file,
         engine_key_file=engine_key_file, redis_url=redis_url)
     return ServePlan(profile, model_path, geom, engine_argv(profile, model_path, eport), engine_env(profile, base={}),
@@ -207,10 +208,8 @@ async def run(p: ServePlan, health_timeout: float = 900.0) -> int:
                     console.print(f"[red]{child.name} exited (code {child.proc.returncode}); stopping[/]\n"
                                   f"{child.log_tail()}")
                     return 1
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
-            except asyncio.TimeoutError:
-                pass
         return 0
     except _Stopped:
         return 130
@@ -249,8 +248,8 @@ def _print_ready(p: ServePlan, seconds: float, logs: Path) -> None:
     else:
         out.print("API key:  none (listening on 127.0.0.1 only)")
         auth = ""
-    body = ('{"model": "%s", "temperature": 0, "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
-            % p.profile.model.served_name)
+    question = '[{"role": "user", "content": "What is the capital of France?"}]'
+    body = f'{{"model": "{p.profile.model.served_name}", "temperature": 0, "messages": {question}}}'
     out.print("try:", markup=False)
     out.print(f"  curl -s {base}/chat/completions {auth}-H 'Content-Type: application/json' -d '{body}'",
               markup=False, soft_wrap=True)

@@ -174,7 +174,7 @@ def dump_json(data: Mapping[str, Any]) -> str:
 def set_env_line(text: str | None, name: str, value: str | None) -> str | None:
     """`.env` text with `name=value` set (or removed when value is None); other lines untouched."""
     lines = (text or "").splitlines()
-    kept = [ln for ln in lines if not ln.split("=", 1)[0].strip().removeprefix("export ").strip() == name]
+    kept = [ln for ln in lines if ln.split("=", 1)[0].strip().removeprefix("export ").strip() != name]
     if value is not None:
         kept.append(f"{name}={value}")
     if not kept:

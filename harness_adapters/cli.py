@@ -2,7 +2,7 @@
 
 `make_app(keys)` builds the command group; the composition root (backend/cli.py) says where the proxy's
 key lives (`KeySource`), so this package imports nothing of backend/."""
-# ruff: noqa: B008  (typer declares options as call defaults, as backend/cli.py does)
+
 
 from __future__ import annotations
 
@@ -97,7 +97,8 @@ def make_app(keys: KeySource) -> typer.Typer:
         except AdapterError as exc:
             err.print(f"[red]error:[/] {exc}")
             raise typer.Exit(2) from None
-        out.print(f"{harness}: model {target.model}, window {target.context_window:,}, output cap {target.max_output:,}")
+        out.print(f"{harness}: model {target.model}, window {target.context_window:,}, "
+                  f"output cap {target.max_output:,}")
         if not dry_run:
             out.print(f"run: {adapter.run_hint(where)}")
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import uvicorn
+from fastapi import FastAPI
 
 from proxy.app import create_app
 from proxy.format import FormatError
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def server_config(app: object, settings: Settings) -> uvicorn.Config:
+def server_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
     """The HTTP server's settings; a client's idle connection is kept `keep_alive_s` (Settings)."""
     return uvicorn.Config(
         app,

@@ -88,9 +88,9 @@ class QuirkLog:
 
 
 def identify_harness(headers: Mapping[str, str]) -> str:
-    """`dsh`, `pi`, `hermes`, `other` (an unknown `x-harness`) or `unknown`. Our adapters' `x-harness` header wins; DeepSeek Harness also
-    names itself in its User-Agent and its own headers. Pi (OpenAI JS SDK) and Hermes (OpenAI Python SDK)
-    are only recognisable by the header the adapters add."""
+    """`dsh`, `pi`, `hermes`, `other` (an unknown `x-harness`) or `unknown`. Our adapters' `x-harness`
+    header wins; DeepSeek Harness also names itself in its User-Agent and its own headers. Pi (OpenAI JS
+    SDK) and Hermes (OpenAI Python SDK) are only recognisable by the header the adapters add."""
     named = (headers.get(HARNESS_HEADER) or "").strip().lower()
     if named:
         # A metric label: only known names, so a client cannot grow the series without bound.

@@ -29,7 +29,7 @@ import aiohttp
 from aiohttp import web
 
 from backend.runtime import proxy_argv
-from proxy.settings import Settings
+from proxy.settings import Settings, UpstreamConfig
 
 # -- 1. render cost ------------------------------------------------------------------------------
 
@@ -98,7 +98,7 @@ async def render_cost(model_dir: Path, tokens: int, new_tokens: int, reps: int) 
             {"id": "call_last", "type": "function", "function": {"name": "read", "arguments": '{"path": "big.py"}'}}
         ],
     }
-    body_n = {"model": "m", "messages": history + [{"role": "user", "content": "Next file."}]}
+    body_n = {"model": "m", "messages": [*history, {"role": "user", "content": "Next file."}]}
     plan = await svc.plan(request(body_n))
     generated = fmt.tokenizer.encode(
         "Reading.\n\n<tool_call>\n<function=read>\n<parameter=path>\nbig.py\n</parameter>\n</function>\n</tool_call>"
@@ -108,8 +108,7 @@ async def render_cost(model_dir: Path, tokens: int, new_tokens: int, reps: int) 
     big = " ".join(f"line{i} = compute(value_{i}) + offset" for i in range(int(new_tokens / 9.5)))
     body: dict[str, Any] = {
         "model": "m",
-        "messages": list(body_n["messages"])
-        + [last_call, {"role": "tool", "tool_call_id": "call_last", "content": big}],
+        "messages": [*body_n["messages"], last_call, {"role": "tool", "tool_call_id": "call_last", "content": big}],
     }
     splice = await svc.plan(request(body))
     if splice.parent is None:
@@ -227,11 +226,12 @@ async def _ttfb(s: aiohttp.ClientSession, url: str, body: dict[str, Any], conten
 async def relay_costs(model_dir: Path, reps: int, streams: int, events: int) -> dict[str, float]:
     up_port, px_port = _free_port(), _free_port()
     py = sys.executable
-    fake = subprocess.Popen([py, "-c", f"from backend.tools.bench_costs import fake_engine_main as m; m({up_port}, 1, 0)"])
+    fake_main = "from backend.tools.bench_costs import fake_engine_main as m; m({}, {}, {})"
+    fake = subprocess.Popen([py, "-c", fake_main.format(up_port, 1, 0)])
     fake_slow = None
     config = Path(tempfile.mkdtemp(prefix="hh-bench-")) / "proxy.json"
-    Settings(port=px_port, upstream=f"http://127.0.0.1:{up_port}", model_dir=model_dir, model_name="m",
-             log_level="warning").dump(config)
+    upstream = UpstreamConfig(url=f"http://127.0.0.1:{up_port}")
+    Settings(port=px_port, upstreams=(upstream,), model_dir=model_dir, model_name="m", log_level="warning").dump(config)
     proxy = subprocess.Popen(proxy_argv(config, py))
     out: dict[str, float] = {}
     try:
@@ -269,7 +269,7 @@ async def relay_costs(model_dir: Path, reps: int, streams: int, events: int) -> 
         fake.wait()
         # CPU per event: a slower engine that streams `events` events per request, `streams` at once.
         fake_slow = subprocess.Popen(
-            [py, "-c", f"from backend.tools.bench_costs import fake_engine_main as m; m({up_port}, {events}, 5)"]
+            [py, "-c", fake_main.format(up_port, events, 5)]
         )
         await _wait(f"http://127.0.0.1:{up_port}/health")
         async with aiohttp.ClientSession() as s:

@@ -35,7 +35,7 @@ from backend.runtime import proxy_argv, proxy_settings
 
 _PREEMPT = re.compile(r"^vllm:num_preemptions_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
 _WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
-          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split(" ")
 
 
 def _text(seed: int, words: int) -> str:

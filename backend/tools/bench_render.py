@@ -26,7 +26,8 @@ TOOLS = [
         "type": "object", "properties": {"path": {"type": "string"}, "command": {"type": "string"}}}}}
     for n in ("read", "bash", "edit", "write")
 ]  # fmt: skip
-_WORDS = "the of and to in is for on that with as by this be are from at or an it we code file line test".split()
+_WORDS = ("the of and to in is for on that with as by this be are from at or an it we code file line "
+          "test").split(" ")
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -70,7 +71,8 @@ def measure(fmt: ChatFormat, history_tokens: int, new_tokens: int, runs: int) ->
     cpu = []
     for i in range(runs):
         # The next agent turn: the assistant's call (generated last time) and its ~1K-token result.
-        call: dict[str, Any] = {"id": f"n{i}", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.py"}'}}
+        fn = {"name": "read", "arguments": '{"path": "a.py"}'}
+        call: dict[str, Any] = {"id": f"n{i}", "type": "function", "function": fn}
         new: list[dict[str, Any]] = [
             {"role": "assistant", "reasoning": f"step {i}", "content": "", "tool_calls": [call]},
             {"role": "tool", "tool_call_id": f"n{i}", "content": f"run {i}\n" + _text(rng, int(new_tokens * 0.6))},

@@ -68,7 +68,8 @@ def main() -> None:
     args = ap.parse_args()
     res = asyncio.run(run(args.requests, args.rounds))
     for name, vals in res.items():
-        print(f"{name:7s} " + " ".join(f"{v:6.1f}" for v in vals) + f"  median {statistics.median(vals):6.1f} µs/request")
+        row = " ".join(f"{v:6.1f}" for v in vals)
+        print(f"{name:7s} {row}  median {statistics.median(vals):6.1f} µs/request")
     ratio = statistics.median(res["traced"]) / statistics.median(res["plain"])
     print(f"traced / plain (medians): {ratio:.3f}")
 

@@ -116,7 +116,7 @@ def _prepare(messages: Sequence[Message]) -> list[_Msg]:
     if not isinstance(messages, list | tuple):
         raise FormatError("messages must be a list")
     pairs = normalize.developer_to_system(
-        [m if isinstance(m, dict) or isinstance(m, Mapping) else _not_object(m) for m in messages]
+        [m if isinstance(m, (dict, Mapping)) else _not_object(m) for m in messages]
     )
     prepared: list[_Msg] = []
     for index, m in pairs:

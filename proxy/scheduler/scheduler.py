@@ -278,7 +278,7 @@ class Scheduler:
         self.queue.push(w)
         self._pump()
         if w.future.done():
-            return w.future.result()  # type: ignore[no-any-return]
+            return w.future.result()
         if len(self.queue) > self.config.max_queue:
             self.queue.remove(w)
             self.metrics.rejected.labels(p.label, "queue_full").inc()
@@ -290,13 +290,12 @@ class Scheduler:
         except asyncio.CancelledError:
             self._abandon(w)
             raise
-        if not done:
-            if self.queue.remove(w):
-                self.metrics.rejected.labels(p.label, "wait_timeout").inc()
-                self._publish_counts()
-                raise QueueTimeout(f"waited {self.config.max_wait_s[p]:.0f}s for engine capacity; retry later",
-                                   self._retry_after())
-        return w.future.result()  # type: ignore[no-any-return]
+        if not done and self.queue.remove(w):  # else it was granted in the same instant
+            self.metrics.rejected.labels(p.label, "wait_timeout").inc()
+            self._publish_counts()
+            raise QueueTimeout(f"waited {self.config.max_wait_s[p]:.0f}s for engine capacity; retry later",
+                               self._retry_after())
+        return w.future.result()
 
     def _abandon(self, w: Waiter) -> None:
         """The caller went away while queued: leave the queue, or give back what was just granted."""
