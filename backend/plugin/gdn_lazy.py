@@ -253,7 +253,7 @@ class LazyGdnState:
         self._commit_in_place(col0, acc, lazy, A_log, dt_bias)
         target = spec_indices.gather(1, (acc - 1).unsqueeze(1)).squeeze(1)
         copy_rows(self.pool, target.long(), col0.long(), lazy & (acc > 1))
-        self.lazy[flags] = False
+        self.lazy.index_fill_(0, flags, False)  # a device fill: capturable (see verify)
 
     def align_copy(self, base: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
                    token_bias: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
@@ -281,13 +281,13 @@ class LazyGdnState:
         if keep.numel():
             self.pool.index_copy_(0, dst[keep].long(), self.pool.index_select(0, base[keep].long()))
             self.pool.index_copy_(0, base[keep].long(), saved)
-        self.lazy[self._flag_index(dst)] = False
-        self.lazy[-1] = False
+        self.lazy.index_fill_(0, self._flag_index(dst), False)
+        self.lazy[-1:].fill_(False)  # a scalar setitem would copy from the host too
 
     def forget(self, slots: torch.Tensor) -> None:
         """Slots about to be (re)written as plain states (prefill, plain decode): no pending log."""
         if slots.numel():
-            self.lazy[self._flag_index(slots)] = False
+            self.lazy.index_fill_(0, self._flag_index(slots), False)
 
     # -- the verify step ---------------------------------------------------------------------------
 
@@ -343,8 +343,11 @@ class LazyGdnState:
             self.parity, num_replay, scale=scale, state_vk=self.state_vk,
         )
         written = torch.where(live, flags, torch.full_like(flags, self.lazy.numel() - 1))
-        self.lazy[written] = True
-        self.lazy[-1] = False
+        # index_fill_, not `lazy[written] = True`: assigning a Python scalar through an index
+        # tensor copies it from the host, which CUDA graph capture refuses (seen on the H200
+        # when vLLM captured this layer: tests/gpu/test_layers_gpu.py).
+        self.lazy.index_fill_(0, written, True)
+        self.lazy[-1:].fill_(False)  # a scalar setitem would copy from the host too
         self.half[written] = (1 - self.parity).expand_as(written)
         self.parity ^= 1
         self.steps += 1
