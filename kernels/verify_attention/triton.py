@@ -42,9 +42,10 @@ LOG2E = 1.4426950408889634
 # is kept under ~6% of the KV bytes by MIN_SPLIT_TOKENS. Tuned on the H200 (see bench.py).
 CTAS_PER_SM = 2
 MIN_SPLIT_TOKENS = 256
-# Floor on the split count without a sliding window (H200 sweep, sweep.py / NOTES.md): filling the
-# GPU twice gave batch 4 only 17 splits and batch 8 only 9; 33 splits was fastest at batch 4
-# (32K/100K, T=1/8: 1.4-1.8x over 17) and batch 8 (100K T=8), and batch 1 keeps its 66.
+# Floor on the split count without a sliding window (H200 sweep at eb72f37, HISTORY.md; diag.py
+# --sweep re-times it): filling the GPU twice gave batch 4 only 17 splits and batch 8 only 9; 33
+# splits was fastest at batch 4 (32K/100K, T=1/8: 1.4-1.8x over 17) and batch 8 (100K T=8), and
+# batch 1 keeps its 66.
 MIN_SPLITS = 33
 
 
@@ -248,7 +249,7 @@ def _alignment(*byte_offsets: int) -> int:
 
 
 def _launch_config(block_m: int) -> dict[str, int]:
-    """BLOCK_N / warps / stages per query-tile height (H200 sweep at 100K in bench.py)."""
+    """BLOCK_N / warps / stages per query-tile height (H200 sweep at 100K, eefae98; HISTORY.md)."""
     if block_m <= 16:
         return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     if block_m <= 64:

@@ -62,13 +62,21 @@ def build_problem(seq_lens, q_lens, hq, hkv, d, page, dtype, device=DEVICE, seed
     return cache, block_table, cu.to(device), seq, q
 
 
-def run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window=(-1, -1), num_splits=None):
+def run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window=(-1, -1), num_splits=None, **cuda_kw):
+    """One call against the reference: the public path, or with ``cuda_kw`` the CUDA launcher with
+    those choices of its rule forced (cuda.verify_attention_cuda: decode, sched, combine_kernel, pdl)."""
     cache, bt, cu, seq, q = build_problem(seq_lens, q_lens, hq, hkv, d, page, dtype)
     out = torch.full_like(q, float("nan"))
-    verify_attention(
-        q, cache.k, cache.v, out, cu, max(q_lens), seq, max(seq_lens), None, window, bt,
-        cache.k_scale, cache.v_scale, num_splits=num_splits,
-    )  # fmt: skip
+    if cuda_kw:
+        from kernels.verify_attention import cuda as va_cuda
+
+        va_cuda.verify_attention_cuda(q, cache.k, out, cu, max(q_lens), seq, max(seq_lens), d**-0.5,
+                                      window[0] + 1 if window[0] >= 0 else 0, bt, num_splits, **cuda_kw)  # fmt: skip
+    else:
+        verify_attention(
+            q, cache.k, cache.v, out, cu, max(q_lens), seq, max(seq_lens), None, window, bt,
+            cache.k_scale, cache.v_scale, num_splits=num_splits,
+        )  # fmt: skip
     ref = naive_verify_attention(q, cache, cu, seq, bt, window_size=window)
     assert not torch.isnan(out).any(), "unwritten (NaN) output rows"
     err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -148,9 +156,9 @@ def spy_compiled(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
     real = va_cuda._compiled
 
-    def spy(name, smem, source=None):
+    def spy(name, smem):
         calls.append(name)
-        return real(name, smem, source)
+        return real(name, smem)
 
     monkeypatch.setattr(va_cuda, "_compiled", spy)
     return calls
@@ -160,7 +168,7 @@ def spy_compiled(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_real_shapes_decode_rule(monkeypatch):
     """The launcher's decode rule at plain decode (T=1: 6 rows per KV head): verify_attn_decode from
     DECODE_MIN_KEYS keys of the longest request, the wgmma kernel below (and everywhere with
-    HH_VERIFY_ATTENTION_DECODE=0); each matches the reference at 100K."""
+    decode=False); each matches the reference at 100K."""
     use_cuda_kernel(monkeypatch)
     from kernels.verify_attention import cuda as va_cuda
 
@@ -171,9 +179,8 @@ def test_real_shapes_decode_rule(monkeypatch):
         calls.clear()
         run_case(lens, [1] * len(lens), 24, 4, 256, 16, torch.bfloat16, (-1, -1), None)
         assert calls[0].startswith(want + "<"), (lens, calls)
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_DECODE", "0")
     calls.clear()
-    run_case([100_000], [1], 24, 4, 256, 16, torch.bfloat16, (-1, -1), None)
+    run_case([100_000], [1], 24, 4, 256, 16, torch.bfloat16, (-1, -1), None, decode=False)
     assert calls[0].startswith("verify_attn_split_wg<"), calls
 
 
@@ -195,51 +202,29 @@ CUDA_CASES = [
 ]  # fmt: skip
 
 
-def use_cuda_kernel(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
-    """Skip off sm_90; else force the CUDA backend (an error if it would fall back) and set
-    HH_VERIFY_ATTENTION_<KEY> = value for each keyword (sched, fuse, combine, partials, ...)."""
+def use_cuda_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Skip off sm_90; else force the CUDA backend (an error if it would fall back)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the CUDA kernel runs on sm_90")
     monkeypatch.setenv("HH_VERIFY_ATTENTION_BACKEND", "cuda")
-    for key, value in env.items():
-        monkeypatch.setenv(f"HH_VERIFY_ATTENTION_{key.upper()}", value)
 
 
 @gpu_only
-@pytest.mark.parametrize("fuse", ["1", "0"], ids=["fused", "2node"])
 @pytest.mark.parametrize("sched", ["dyn", "static"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), CUDA_CASES)
-def test_cuda_matches_reference(
-    seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, sched, fuse, monkeypatch
-):
+def test_cuda_matches_reference(seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, sched, monkeypatch):
     """The wgmma kernel with tiles from the per-unit counter (dyn) and with static splits, the
-    partials merged inside the split kernel (fused) or by the combine kernel (2node)."""
-    use_cuda_kernel(monkeypatch, sched=sched, fuse=fuse)
-    run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
+    partials merged by the rule's combine kernel."""
+    use_cuda_kernel(monkeypatch)
+    run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits, decode=False, sched=sched)
 
 
-FUSED_CASES = [c for c in CUDA_CASES if c.id in ("T40-qtiles-S5", "empty-splits-S40", "S150-combine-2-batches")]
-
-
-@gpu_only
-@pytest.mark.parametrize("group", [1, 2, 7, 1000])
-@pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), FUSED_CASES)
-def test_cuda_fused_merge_groups(seq_lens, q_lens, hq, hkv, d, page, window, splits, group, monkeypatch):
-    """Fused merge with first-level groups of 1 split (one flat second level; at 150 splits too
-    large for the scratch: the combine kernel runs), 2, 7 (a short last group) and 1000 (one
-    level: the group's last CTA writes out)."""
-    use_cuda_kernel(monkeypatch, fuse="1", merge_group=str(group))
-    run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits)
-
-
-# fp16 partials (HH_VERIFY_ATTENTION_PARTIALS=fp16) and the row combine
-# (HH_VERIFY_ATTENTION_COMBINE=row) apply where >= 32 splits are merged: the two many-split cases
+# The row, column and warp combines apply where >= 32 splits are merged: the two many-split cases
 # (S150: three chunks of the row combine) and the 100K batch-1 shapes (66 splits).
 MANY_SPLIT_CASES = [c for c in CUDA_CASES if c.id in ("empty-splits-S40", "S150-combine-2-batches")] + [
     c for c in REAL if c.id in ("qwen-B1-T8-100K", "qwen-B1-T1-100K")
 ]
-FP16_PARTIAL_CASES = MANY_SPLIT_CASES
 ROW_COMBINE_CASES = MANY_SPLIT_CASES + [
     pytest.param([20000, 700], [8, 1], 32, 8, 128, 16, (-1, -1), 40, id="D128-S40"),
 ]
@@ -250,75 +235,37 @@ ROW_COMBINE_CASES = MANY_SPLIT_CASES + [
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), ROW_COMBINE_CASES)
 def test_cuda_row_combine(seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, sched, monkeypatch):
-    """verify_attn_combine_r (CTA per row, coalesced) merges the fp32 partials."""
-    use_cuda_kernel(monkeypatch, sched=sched, fuse="0", combine="row")
-    run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
+    """verify_attn_combine_r (CTA per row, coalesced) merges the wgmma kernel's partials."""
+    use_cuda_kernel(monkeypatch)
+    run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits, decode=False, sched=sched,
+             combine_kernel="row")  # fmt: skip
 
 
 @gpu_only
-@pytest.mark.parametrize("ws", ["0", "1"], ids=["pool", "ws"])
-@pytest.mark.parametrize("cols", ["128", "64", "16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), ROW_COMBINE_CASES)
-def test_cuda_col_combine(seq_lens, q_lens, hq, hkv, d, page, window, splits, cols, ws, monkeypatch):
-    """verify_attn_combine_c (CTA per row and column block of 128 / 64 / 16 dims), the partials
-    in a fresh buffer or in the per-device workspace (HH_VERIFY_ATTENTION_WORKSPACE=1)."""
-    use_cuda_kernel(monkeypatch, fuse="0", combine="col", combine_cols=cols, workspace=ws)
-    run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits)
+def test_cuda_col_combine(seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, monkeypatch):
+    """verify_attn_combine_c (CTA per row and 64-dim column block) after the wgmma kernel (the
+    decode kernel's own cases run it by the rule: test_cuda_decode_kernel)."""
+    use_cuda_kernel(monkeypatch)
+    run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits, decode=False, combine_kernel="col")
 
 
-@gpu_only
-@pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), ROW_COMBINE_CASES)
-def test_cuda_col_combine_fp16_static(seq_lens, q_lens, hq, hkv, d, page, window, splits, monkeypatch):
-    use_cuda_kernel(monkeypatch, sched="static", fuse="0", combine="col", workspace="1")
-    run_case(seq_lens, q_lens, hq, hkv, d, page, torch.float16, window, splits)
-
-
-@gpu_only
-def test_cuda_workspace_graph_replay(monkeypatch):
-    """Graphs captured on the workspace (big enough) and on the fallback (a capture that needs a
-    larger one takes torch.empty buffers; the workspace does not grow inside a capture)."""
-    use_cuda_kernel(monkeypatch, workspace="1", combine="col")
-    from kernels.verify_attention import cuda as va_cuda
-
-    cache, bt, cu, seq, q = build_problem([3001, 700, 64], [8, 1, 3], 24, 4, 256, 16, torch.bfloat16)
-    ref = naive_verify_attention(q, cache, cu, seq, bt)
-    outs = {s: torch.full_like(q, float("nan")) for s in (40, 80)}
-
-    def call(splits):
-        va_cuda.verify_attention_cuda(q, cache.k, outs[splits], cu, 8, seq, 3001, 256**-0.5, 0, bt,
-                                      num_splits=splits, fuse=False)  # fmt: skip
-
-    va_cuda._WORKSPACE.pop(torch.cuda.current_device(), None)
-    call(40)  # eager: compiles, sizes the workspace for 40 splits (12 x 24 x 40 rows of 1 KB)
-    torch.cuda.synchronize()
-    size = va_cuda._WORKSPACE[torch.cuda.current_device()].numel()
-    graphs = {}
-    for splits in (40, 80):
-        graphs[splits] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[splits]):
-            call(splits)
-    assert va_cuda._WORKSPACE[torch.cuda.current_device()].numel() == size
-    for _ in range(2):
-        for splits, graph in graphs.items():
-            outs[splits].fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            err = ((outs[splits].float() - ref).norm() / ref.norm()).item()
-            assert err < TOL[torch.bfloat16], (splits, err)
+W_COMBINE_CASES = MANY_SPLIT_CASES + [
+    pytest.param([20000, 9000], [8, 1], 24, 4, 256, 16, (-1, -1), 300, id="S300-rule-w"),
+]
 
 
 @gpu_only
 @pytest.mark.parametrize("sched", ["dyn", "static"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), FP16_PARTIAL_CASES)
-def test_cuda_fp16_partials(seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, sched, monkeypatch):
-    """Partial rows stored normalised in fp16: within the tolerance, and no less accurate than
-    the fp32 partials on the same inputs beyond 1e-4 (fp16 rounding ~2^-12 of each row)."""
-    use_cuda_kernel(monkeypatch, sched=sched, fuse="0", combine="w", partials="fp16")
-    err16 = run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_PARTIALS", "fp32")
-    err32 = run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
-    assert err16 <= err32 + 1e-4, (err16, err32)
+@pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), W_COMBINE_CASES)
+def test_cuda_w_combine(seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, sched, monkeypatch):
+    """verify_attn_combine_w (a warp per row x 8 dims, lane = split): the rule past 256 splits
+    (S300), forced on the other many-split cases."""
+    use_cuda_kernel(monkeypatch)
+    kw = {} if splits > 256 else {"combine_kernel": "w"}
+    run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits, decode=False, sched=sched, **kw)
 
 
 PDL_CASES = [c for c in CUDA_CASES if c.id in ("B3-T9,16,1-S3", "D128-w2048", "empty-splits-S40")]
@@ -327,17 +274,16 @@ PDL_CASES = [c for c in CUDA_CASES if c.id in ("B3-T9,16,1-S3", "D128-w2048", "e
 @gpu_only
 @pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), PDL_CASES)
 def test_cuda_pdl_combine(seq_lens, q_lens, hq, hkv, d, page, window, splits, monkeypatch):
-    """The combine launched with programmatic dependent launch (HH_VERIFY_ATTENTION_PDL=1)."""
-    use_cuda_kernel(monkeypatch, pdl="1")
-    run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits)
+    """The combine after the wgmma kernel launched with programmatic dependent launch (the rule
+    uses it after the decode kernel)."""
+    use_cuda_kernel(monkeypatch)
+    run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits, decode=False, pdl=True)
 
 
 @gpu_only
-@pytest.mark.parametrize(("pdl", "fuse"), [(False, False), (True, False), (False, True)],
-                         ids=["plain", "pdl", "fused"])  # fmt: skip
-def test_cuda_dyn_graph_replay(pdl, fuse, monkeypatch):
-    """Tile and merge counters are back at zero after every launch, so CUDA-graph replays stay
-    correct."""
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_cuda_dyn_graph_replay(pdl, monkeypatch):
+    """Tile counters are back at zero after every launch, so CUDA-graph replays stay correct."""
     use_cuda_kernel(monkeypatch)
     from kernels.verify_attention import cuda as va_cuda
 
@@ -347,7 +293,7 @@ def test_cuda_dyn_graph_replay(pdl, fuse, monkeypatch):
 
     def call():
         va_cuda.verify_attention_cuda(q, cache.k, out, cu, 8, seq, 3001, 256**-0.5, 0, bt,
-                                      num_splits=7, sched="dyn", pdl=pdl, fuse=fuse, merge_group=3)  # fmt: skip
+                                      num_splits=7, sched="dyn", pdl=pdl)  # fmt: skip
 
     call()  # eager: compiles, allocates the counters
     replay_and_check(call, out, ref)
@@ -371,17 +317,6 @@ def replay_and_check(call, out, ref, replays=3):
         assert int(va_cuda._COUNTERS[torch.cuda.current_device()].abs().sum()) == 0
 
 
-# The mma.sync kernel (ea506d7's; HH_VERIFY_ATTENTION_MMA=mma) stays a selectable fallback.
-MMA_CASES = [c for c in CUDA_CASES if c.id in ("B3-T9,16,1-S3", "D128-w2048", "T40-qtiles-S5")]
-
-
-@gpu_only
-@pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), MMA_CASES)
-def test_cuda_mma_kernel(seq_lens, q_lens, hq, hkv, d, page, window, splits, monkeypatch):
-    use_cuda_kernel(monkeypatch, mma="mma")
-    run_case(seq_lens, q_lens, hq, hkv, d, page, torch.bfloat16, window, splits)
-
-
 def test_cuda_ring_depth():
     """Two CTAs per SM: 2 stages at 48 query rows, 3 at one n8 tile of rows (D = 256)."""
     from kernels.verify_attention.cuda import pick_stages, smem_bytes_wg
@@ -390,19 +325,6 @@ def test_cuda_ring_depth():
     assert pick_stages(256, 6, smem_bytes_wg) == 2
     assert pick_stages(256, 1, smem_bytes_wg) == 3
     assert pick_stages(128, 4, smem_bytes_wg) == 4
-    assert pick_stages(256, 3) == 2  # the mma kernel, 48 rows as 3 m16 tiles
-
-
-def test_cuda_merge_groups():
-    """Fused merge: first-level groups of ~sqrt(splits); its scratch fits in the ring, Q and P."""
-    from kernels.verify_attention.cuda import merge_fits, merge_group_for
-
-    assert merge_group_for(66) == 9  # the last CTA reads 9 + 8 partials, not 66
-    assert merge_group_for(2) == 2 and merge_group_for(150) == 13
-    assert merge_fits(256, 6, 2, 66, 9) and merge_fits(256, 1, 3, 66, 66)  # 66 KB of 106 KB
-    assert merge_fits(256, 6, 2, 40, 1)  # flat second level over 40 splits
-    assert not merge_fits(256, 6, 2, 150, 1)  # 150 KB per row: the launcher runs the combine
-    assert merge_fits(128, 6, 2, 66, 9)
 
 
 def test_cuda_split_rule():
@@ -430,39 +352,15 @@ def test_default_split_rule(monkeypatch):
     assert default_num_splits(4, 4, 1, 2_000, cuda) == 8  # one split per 256 keys at most
 
 
-def test_combine_switches(monkeypatch):
-    """HH_VERIFY_ATTENTION_COMBINE / _COMBINE_COLS / _WORKSPACE / _PDL parse or refuse (no GPU
-    needed); auto: col + PDL after the decode kernel, row without PDL after the others."""
+def test_combine_rule():
+    """Which combine merges 32..256 splits, and with PDL or not (no GPU needed): col + PDL after the
+    decode kernel, row without PDL after the wgmma kernel; the column block divides both head sizes."""
     from kernels.verify_attention import cuda as vc
 
-    for var in ("COMBINE", "PDL"):
-        monkeypatch.delenv(f"HH_VERIFY_ATTENTION_{var}", raising=False)
     assert vc.default_combine() == "row" and vc.default_combine(decode=True) == "col"
     assert not vc.default_pdl() and vc.default_pdl(decode=True)
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_PDL", "0")
-    assert not vc.default_pdl(decode=True)
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_PDL", "1")
-    assert vc.default_pdl()
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_PDL", "on")
-    with pytest.raises(ValueError):
-        vc.default_pdl()
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_COMBINE", "row")
-    assert vc.default_combine(decode=True) == "row"
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_COMBINE", "col")
-    assert vc.default_combine() == "col" and vc.default_combine_cols(256) == 64
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_COMBINE_COLS", "32")
-    assert vc.default_combine_cols(128) == 32
-    for bad in ("48", "8", "512"):
-        monkeypatch.setenv("HH_VERIFY_ATTENTION_COMBINE_COLS", bad)
-        with pytest.raises(ValueError):
-            vc.default_combine_cols(256)
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_WORKSPACE", "1")
-    assert vc.default_workspace()
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_WORKSPACE", "yes")
-    with pytest.raises(ValueError):
-        vc.default_workspace()
-    acc, ml = vc.partial_buffers(torch.device("cpu"), (2, 3, 5, 16), torch.float32, False)
-    assert acc.shape == (2, 3, 5, 16) and ml.shape == (2, 3, 5, 2)
+    assert all(d % vc.COMBINE_COLS == 0 for d in vc.HEAD_SIZES)
+    assert vc.default_sched(1) == "dyn" and vc.default_sched(2) == vc.default_sched(6) == "static"
 
 
 # verify_attn_decode (forced on here; auto from 32K keys): query tiles of at most 8 rows. Contexts not a
@@ -486,8 +384,8 @@ DECODE_CASES = [
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize(("seq_lens", "q_lens", "hq", "hkv", "d", "page", "window", "splits"), DECODE_CASES)
 def test_cuda_decode_kernel(seq_lens, q_lens, hq, hkv, d, page, window, splits, dtype, monkeypatch):
-    use_cuda_kernel(monkeypatch, decode="1")
-    run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits)
+    use_cuda_kernel(monkeypatch)
+    run_case(seq_lens, q_lens, hq, hkv, d, page, dtype, window, splits, decode=True)
 
 
 @gpu_only
@@ -506,25 +404,17 @@ def test_cuda_decode_graph_replay_and_selection(monkeypatch):
         va_cuda.verify_attention_cuda(q, cache.k, out, cu, 1, seq, 3001, 256**-0.5, 0, bt, num_splits=7, decode=True)
 
     call()
-    assert calls[0] == "verify_attn_decode<256, 6, 4, true, 0>"
+    assert calls[0] == "verify_attn_decode<256, 6, 4, true>"
     replay_and_check(call, out, ref)  # the chunk-batch counters are reset by each launch
 
 
-def test_decode_switch(monkeypatch):
-    """HH_VERIFY_ATTENTION_DECODE parses or refuses (no GPU needed), auto by the key span; its
-    CTA's shared memory fits an SM, its split rule fills the GPU once."""
+def test_decode_rule():
+    """The decode kernel by key span (no GPU needed); its CTA's shared memory fits an SM, its
+    split rule fills the GPU once."""
     from kernels.verify_attention import cuda as vc
 
-    monkeypatch.delenv("HH_VERIFY_ATTENTION_DECODE", raising=False)
     assert vc.default_decode(vc.DECODE_MIN_KEYS) and vc.default_decode(100_000)
     assert not vc.default_decode(vc.DECODE_MIN_KEYS - 1) and not vc.default_decode(2048 + 8)
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_DECODE", "1")
-    assert vc.default_decode(100) and vc.default_decode(100_000)
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_DECODE", "0")
-    assert not vc.default_decode(100_000)
-    monkeypatch.setenv("HH_VERIFY_ATTENTION_DECODE", "yes")
-    with pytest.raises(ValueError):
-        vc.default_decode(100_000)
     assert vc.pick_stages_decode(256, 4) == 6 and vc.pick_stages_decode(128, 8) == 6
     assert vc.smem_bytes_decode(256, 4, 6) == 6 * 33_280 + 4 * 4096 + 96 + 24  # ring, Q^T, barriers, indices
     assert vc.num_splits_decode(1, 100_000, 132) == 132 and vc.num_splits_decode(4, 100_000, 132) == 33
@@ -534,9 +424,10 @@ def test_decode_switch(monkeypatch):
 
 
 def test_goal_layer_pools_fill_the_device():
-    """goal.py sizes its per-layer pools from the free memory: equal pools, the reserve kept, and a
-    clear error when the goal rows would not fit (checked on CPU with an H200's numbers)."""
-    from kernels.verify_attention.goal import CASES, layer_tokens, record_bytes
+    """bench.py --goal sizes its per-layer pools from the free memory: equal pools, the reserve kept,
+    and a clear error when the goal rows would not fit (checked on CPU with an H200's numbers)."""
+    from kernels.verify_attention.bench import GOAL_CASES as CASES
+    from kernels.verify_attention.bench import layer_tokens, record_bytes
 
     assert record_bytes(4, 256) == 2080  # K int8 x 256 + fp32 scale + V + scale, 4 KV heads
     free, reserve = 140 * 10**9, 10 << 30
@@ -548,9 +439,9 @@ def test_goal_layer_pools_fill_the_device():
 
 
 def test_table_report_rows_against_their_own_vllm():
-    """table.report: a row's time is the median of its rounds, its speedup is against the same
+    """bench.report: a row's time is the median of its rounds, its speedup is against the same
     row's vLLM median (not another row's), and vLLM's own row has none."""
-    from kernels.verify_attention.table import Entry, report
+    from kernels.verify_attention.bench import Entry, report
 
     entries = [
         Entry("a", "vllm", print, 1000, 2e-3, [10.0, 12.0, 11.0]),

@@ -2,16 +2,20 @@
 
 NVRTC through ``torch.cuda._compile_kernel`` (no nvcc or CUDA headers needed on the user's
 machine; the kernel source includes no header: sm90_bulk.cuh's helpers are put in front of it),
-for sm_90a (wgmma is arch-specific). Two split kernels: ``wgmma`` (verify_attn_split_wg, the
-default) and ``mma`` (verify_attn_split, mma.sync: the kernel of commit ea506d7, kept as the
-baseline and a fallback); ``HH_VERIFY_ATTENTION_MMA=mma|wgmma`` picks one. A third,
-verify_attn_decode (TMA page slices, warp streams; at most 8 query rows per tile), runs where a
-tile holds at most 8 rows and the longest request spans DECODE_MIN_KEYS keys or more
-(``HH_VERIFY_ATTENTION_DECODE=1`` / ``0`` force it on / off), then a col combine launched with
-programmatic dependent launch (NOTES.md). Each (head size, query tile, ring depth, dtype)
-variant is compiled once per process (about 4 s), on its first call: call once eagerly before a
-CUDA-graph capture (vLLM's warm-up does). Launches go to torch's current stream, so they are
-captured like any other kernel.
+for sm_90a (wgmma is arch-specific). The launcher's rule (NOTES.md, "Rules in force"):
+
+* split kernel: verify_attn_decode (TMA page slices, warp streams) where a query tile holds at
+  most 8 rows (one n8 tile: T=1 at G=6), the page size is a multiple of 16, the KV heads divide 8
+  and the longest request spans DECODE_MIN_KEYS keys or more; else verify_attn_split_wg (wgmma),
+  its tiles from a per-unit counter at one n8 tile ("dyn") and in static splits above;
+* splits: ``num_splits_decode`` / ``num_splits_for`` unless the caller fixes them (CUDA graphs);
+* combine (several splits): below 32 splits verify_attn_combine, from 32 to 256 the row combine
+  after the wgmma kernel and the column combine (64 dims per CTA) after the decode kernel, past
+  256 verify_attn_combine_w; launched with programmatic dependent launch after the decode kernel.
+
+Each (kernel, head size, query tile, ring depth, dtype) variant is compiled once per process
+(about 4 s), on its first call: call once eagerly before a CUDA-graph capture (vLLM's warm-up
+does). Launches go to torch's current stream, so they are captured like any other kernel.
 
 ``supported`` says whether a call can take this path (sm_90, D in {128, 256}, the cache exactly in
 vLLM 0.32.0's int8_per_token_head layout with 16-byte-aligned blocks and slots); the public
@@ -23,7 +27,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +36,20 @@ SOURCE = Path(__file__).with_name("verify_attention.cu")
 BULK_HELPERS = Path(__file__).with_name("sm90_bulk.cuh")  # put in front of the kernel source
 THREADS = 128  # VA_THREADS in the .cu
 BN = 64  # VA_BN: keys per tile
-MAX_ROWS = 48  # query rows (tokens x GQA group) per CTA: 3 m16 tiles, 96 accumulator registers
+MAX_ROWS = 48  # query rows (tokens x GQA group) per CTA: 6 n8 tiles
 CTAS_PER_SM = 2  # __launch_bounds__(128, 2); shared memory is sized for two per SM on sm_90
 SHARED_PER_SM = 228 * 1024  # sm_90; 1 KB of it is reserved per CTA
 LOG2E = 1.4426950408889634
 HEAD_SIZES = (128, 256)
-ROW_COMBINE_MAX_SPLITS = 256  # verify_attn_combine_r keeps every split's (max, sum) in shared memory
-
-
-def smem_bytes(d: int, mt: int, stages: int) -> int:
-    """Dynamic shared memory of one CTA (mirrors the carve-up at the top of verify_attn_split)."""
-    rows = 16 * mt
-    return stages * BN * (2 * d + 16) + rows * (2 * d + 16) + rows * (2 * BN + 16) + 6 * rows * 4
+ROW_COMBINE_MAX_SPLITS = 256  # verify_attn_combine_r / _c keep every split's (max, sum) in shared memory
+COMBINE_MIN_SPLITS = 32  # below: ea506d7's combine (combine_w's lanes idle at few splits)
+COMBINE_COLS = 64  # dims per CTA of verify_attn_combine_c (4 CTAs per row at D = 256)
+DECODE_WARPS = 8  # verify_attn_decode: consumer warps per CTA (warp w computes KV head w % Hkv)
+# verify_attn_decode from this key span (the longest request's, window-limited): on the H200
+# (session 9, fresh process, T=1) decode / wgmma is 1.08x at 100K b1, 1.17x at 100K b4, 1.12x at
+# 200K b1, 1.04x at 50K, 1.01x at 32K, but 0.92x at 8K and 0.78-0.92x on the drafter's 2,048-key
+# window layers: one CTA per SM over few keys pays its fixed costs.
+DECODE_MIN_KEYS = 32_768
 
 
 def smem_bytes_wg(d: int, n8: int, stages: int) -> int:
@@ -53,15 +58,22 @@ def smem_bytes_wg(d: int, n8: int, stages: int) -> int:
     return stages * BN * (2 * d + 16) + rows * 2 * d + rows * 2 * BN + 5 * rows * 4 + 8 * 4
 
 
-DECODE_WARPS = 8  # verify_attn_decode: consumer warps per CTA (warp w computes KV head w % Hkv)
-
-
 def smem_bytes_decode(d: int, hkv: int, stages: int) -> int:
     """Dynamic shared memory of one verify_attn_decode CTA: the ring of ``stages`` chunks (16 slots
     of every head) or the merge scratch that overlays it, whichever is larger, each head's Q^T
     fragments, the mbarriers and the stages' chunk indices (mirrors the carve-up in the .cu)."""
     ring = max(stages * 16 * hkv * (2 * d + 8), DECODE_WARPS * 8 * (d + 2) * 4)
     return ring + hkv * (d // 16) * 32 * 8 + 16 * stages + 4 * stages
+
+
+def pick_stages(d: int, tiles: int, smem=smem_bytes_wg, ctas_per_sm: int = CTAS_PER_SM, most: int = 4) -> int:
+    """Deepest ring (2..most) that still lets ctas_per_sm CTAs share an SM (1 KB of its shared
+    memory is reserved per CTA); ``smem(d, tiles, stages)`` is the kernel's carve-up."""
+    per_cta = SHARED_PER_SM // ctas_per_sm - 1024
+    stages = 2
+    while stages < most and smem(d, tiles, stages + 1) <= per_cta:
+        stages += 1
+    return stages
 
 
 def pick_stages_decode(d: int, hkv: int) -> int:
@@ -75,150 +87,41 @@ def num_splits_decode(num_seqs: int, keys: int, sms: int) -> int:
     return max(1, min(max(1, sms // max(1, num_seqs)), -(-keys // (16 * DECODE_WARPS))))
 
 
-def pick_stages(d: int, tiles: int, smem=smem_bytes, ctas_per_sm: int = CTAS_PER_SM, most: int = 4) -> int:
-    """Deepest ring (2..most) that still lets ctas_per_sm CTAs share an SM (1 KB of its shared
-    memory is reserved per CTA); ``smem(d, tiles, stages)`` is the kernel's carve-up."""
-    per_cta = SHARED_PER_SM // ctas_per_sm - 1024
-    stages = 2
-    while stages < most and smem(d, tiles, stages + 1) <= per_cta:
-        stages += 1
-    return stages
-
-
-def default_kernel() -> str:
-    """HH_VERIFY_ATTENTION_MMA: wgmma (default) or mma (the mma.sync kernel of ea506d7)."""
-    kind = os.environ.get("HH_VERIFY_ATTENTION_MMA", "wgmma").lower()
-    if kind not in ("wgmma", "mma"):
-        raise ValueError(f"HH_VERIFY_ATTENTION_MMA={kind!r}: wgmma or mma")
-    return kind
-
-
 def default_sched(n8: int) -> str:
-    """HH_VERIFY_ATTENTION_SCHED: auto (default), dyn (tiles from a per-unit counter) or static.
-
-    auto = dyn at one n8 tile of query rows (T=1: H200, 100K b1 74.8 vs 76.9 µs, the CTAs' end
-    spread 5 -> 3 µs), static above (T=8: dyn was 104.4 vs 100.7 µs; NOTES.md)."""
-    kind = os.environ.get("HH_VERIFY_ATTENTION_SCHED", "auto").lower()
-    if kind not in ("auto", "dyn", "static"):
-        raise ValueError(f"HH_VERIFY_ATTENTION_SCHED={kind!r}: auto, dyn or static")
-    return ("dyn" if n8 == 1 else "static") if kind == "auto" else kind
-
-
-# verify_attn_decode's auto rule: a request's key span from which it beats the wgmma kernel.
-DECODE_MIN_KEYS = 32_768
+    """The wgmma kernel's tile schedule: "dyn" (tiles from a per-unit counter) at one n8 tile of
+    query rows, "static" above. H200: T=1 100K b1 74.8 vs 76.9 µs with dyn (the CTAs' end spread
+    5 -> 3 µs); T=8 dyn was 104.4 vs 100.7 µs (session 4), and 85.6 vs 85.6 in session 10."""
+    return "dyn" if n8 == 1 else "static"
 
 
 def default_decode(keys: int) -> bool:
-    """HH_VERIFY_ATTENTION_DECODE: auto (default), 1 or 0: verify_attn_decode (TMA page slices,
-    warp streams, no CTA barrier in the loop) instead of the wgmma split kernel where a query tile
-    holds at most 8 rows (one n8 tile: T=1 at G=6).
-
-    auto = from DECODE_MIN_KEYS keys (the longest request's span, window-limited): on the H200
-    (session 9, fresh process, T=1) decode / wgmma is 1.08x at 100K b1, 1.17x at 100K b4, 1.12x
-    at 200K b1, 1.04x at 50K, 1.01x at 32K, but 0.92x at 8K and 0.78-0.92x on the drafter's
-    2,048-key window layers: one CTA per SM over few keys pays its fixed costs (NOTES.md)."""
-    kind = os.environ.get("HH_VERIFY_ATTENTION_DECODE", "auto").lower()
-    if kind not in ("auto", "1", "0"):
-        raise ValueError(f"HH_VERIFY_ATTENTION_DECODE={kind!r}: auto, 1 or 0")
-    return keys >= DECODE_MIN_KEYS if kind == "auto" else kind == "1"
+    """verify_attn_decode instead of the wgmma kernel where a query tile holds at most 8 rows:
+    from DECODE_MIN_KEYS keys of the longest request's (window-limited) span."""
+    return keys >= DECODE_MIN_KEYS
 
 
 def default_pdl(decode: bool = False) -> bool:
-    """HH_VERIFY_ATTENTION_PDL: auto (default), 1 or 0: launch the combine with programmatic
-    dependent launch (its CTAs start while the split kernel's last CTAs finish; it waits for the
-    split grid's memory before reading the partials).
-
-    auto = on after verify_attn_decode, off after the others: H200 (session 9, fresh process, T=1,
-    4 rounds) decode + col 64 combine with / without PDL 58.7 / 59.7 µs at 100K b1, 103.8 / 104.6
-    at 200K b1, 28.4 / 29.1 at 32K; after the wgmma kernel session 5 measured -0.4 to -1.0 µs at
-    T=1 but +5 µs with combine_w at T=8 (NOTES.md)."""
-    kind = os.environ.get("HH_VERIFY_ATTENTION_PDL", "auto").lower()
-    if kind not in ("auto", "1", "0"):
-        raise ValueError(f"HH_VERIFY_ATTENTION_PDL={kind!r}: auto, 1 or 0")
-    return decode if kind == "auto" else kind == "1"
-
-
-def default_fuse(n8: int) -> bool:
-    """HH_VERIFY_ATTENTION_FUSE: auto (default), 1 (merge inside the split kernel: the last arrivals
-    per unit, two levels; verify_attn_split_wg<..., FUSE = true>) or 0 (the combine kernel).
-
-    auto = 0 at every size: on the H200 (commit 0deae12, same run as the combine path) the fused
-    merge made 100K b1 T=1 82.1 vs 73.8 µs and T=8 176.8 vs 107.3 µs: one or two CTAs per unit
-    merging read the partials far slower than the combine's whole-GPU grid (NOTES.md)."""
-    kind = os.environ.get("HH_VERIFY_ATTENTION_FUSE", "auto").lower()
-    if kind not in ("auto", "1", "0"):
-        raise ValueError(f"HH_VERIFY_ATTENTION_FUSE={kind!r}: auto, 1 or 0")
-    return kind == "1"
-
-
-def default_partials() -> str:
-    """HH_VERIFY_ATTENTION_PARTIALS: auto (default), fp32 or fp16: the split kernel's partial rows
-    as fp32 accumulators, or normalised (acc / sum) in fp16 (half the bytes written and read back
-    by the combine; only where verify_attn_combine_w merges: >= 32 splits, not fused,
-    HH_VERIFY_ATTENTION_COMBINE=w).
-
-    auto = fp32: fp16 gained nothing on the H200 (session 5: 100K T=8 b1 94.1 vs 94.5 µs, 8K T=8
-    b1 0.96x; the combine node's cost is not its bytes; NOTES.md)."""
-    kind = os.environ.get("HH_VERIFY_ATTENTION_PARTIALS", "auto").lower()
-    if kind not in ("auto", "fp32", "fp16"):
-        raise ValueError(f"HH_VERIFY_ATTENTION_PARTIALS={kind!r}: auto, fp32 or fp16")
-    return "fp32" if kind == "auto" else kind
+    """Programmatic dependent launch of the combine (its CTAs start while the split kernel's last
+    CTAs finish; it waits for the split grid's memory before reading the partials): after
+    verify_attn_decode only. H200 (session 9, fresh process, T=1, 4 rounds) decode + col combine
+    with / without PDL 58.7 / 59.7 µs at 100K b1, 103.8 / 104.6 at 200K b1, 28.4 / 29.1 at 32K;
+    after the wgmma kernel session 5 measured -0.4 to -1.0 µs at T=1 but +5 µs with combine_w at
+    T=8, session 10 85.4 vs 85.6 µs at T=8 (noise)."""
+    return decode
 
 
 def default_combine(decode: bool = False) -> str:
-    """HH_VERIFY_ATTENTION_COMBINE: auto (default), w, row or col: the combine kernel where 32..256
-    splits are merged (not fused): verify_attn_combine_w (warp per row x 8 dims, lane = split),
-    verify_attn_combine_r (CTA per row, coalesced loads) or verify_attn_combine_c (CTA per row and
-    COMBINE_COLS-dim column block: the row combine over D / COMBINE_COLS x the CTAs).
+    """The combine kernel where 32..256 splits are merged: "col" (verify_attn_combine_c, CTA per
+    row and COMBINE_COLS dims) after verify_attn_decode, "row" (verify_attn_combine_r, CTA per
+    row, coalesced loads) after the wgmma kernel.
 
-    auto = row after the wgmma kernel: on the H200 (session 5, same run as the previous default)
-    100K T=8 b1 90.8 vs 94.7 µs, 8K-32K T=8/16 b1 1.06-1.09x, T=1 b1 equal, no row of the full
-    table slower than 1.03x; col there: no gain (T=1 72.9 vs 72.9 µs, T=8 91.0-92.8 vs 91.6).
-    auto = col after verify_attn_decode (its 24 rows x 132 splits at T=1 b1 over 96 CTAs instead
-    of 24): with PDL 58.7 vs 61.1 µs (row + PDL) at 100K b1, 103.8 vs 106.2 at 200K b1, 28.4 vs
-    30.5 at 32K (session 9, NOTES.md)."""
-    kind = os.environ.get("HH_VERIFY_ATTENTION_COMBINE", "auto").lower()
-    if kind not in ("auto", "w", "row", "col"):
-        raise ValueError(f"HH_VERIFY_ATTENTION_COMBINE={kind!r}: auto, w, row or col")
-    return ("col" if decode else "row") if kind == "auto" else kind
-
-
-def default_combine_cols(d: int) -> int:
-    """HH_VERIFY_ATTENTION_COMBINE_COLS: dims per CTA of verify_attn_combine_c (16..D, a divisor
-    of D; default 64: 4 CTAs per row at D = 256)."""
-    cols = int(os.environ.get("HH_VERIFY_ATTENTION_COMBINE_COLS", "64"))
-    if cols < 16 or cols > d or d % cols or cols & (cols - 1):
-        raise ValueError(f"HH_VERIFY_ATTENTION_COMBINE_COLS={cols}: a power of two in 16..{d}")
-    return cols
-
-
-def default_workspace() -> bool:
-    """HH_VERIFY_ATTENTION_WORKSPACE=1: the partials live in one buffer per device, allocated on
-    the first (eager) call and reused by every later call and graph capture (vLLM's unified
-    attention is handed such buffers), instead of a fresh torch.empty per call (inside a CUDA
-    graph: the graph's private pool). Default 0: no gain on the H200 (100K b1, row combine: T=1
-    72.9 vs 72.9 µs, T=8 91.5 vs 91.6; NOTES.md)."""
-    kind = os.environ.get("HH_VERIFY_ATTENTION_WORKSPACE", "0")
-    if kind not in ("0", "1"):
-        raise ValueError(f"HH_VERIFY_ATTENTION_WORKSPACE={kind!r}: 0 or 1")
-    return kind == "1"
-
-
-def merge_group_for(num_splits: int) -> int:
-    """Splits per first-level merge group of the fused merge (HH_VERIFY_ATTENTION_MERGE_GROUP,
-    default ceil(sqrt(splits))): the last CTA to finish reads at most GS + ceil(S / GS) partials,
-    fewest at GS ~ sqrt(S) (66 splits: 9 + 8 instead of 66)."""
-    gs = int(os.environ.get("HH_VERIFY_ATTENTION_MERGE_GROUP", "0"))
-    return max(1, gs) if gs > 0 else max(1, math.isqrt(num_splits - 1) + 1)
-
-
-def merge_fits(d: int, n8: int, stages: int, num_splits: int, gs: int) -> bool:
-    """One row of the fused merge (n = GS or NG partials of D fp32 + (weight, sum), 1 / sum and
-    two int64 row bases) fits in its shared scratch: the ring, Q and P of verify_attn_split_wg
-    (SCRATCH in the .cu)."""
-    rows = 8 * n8
-    n = max(min(gs, num_splits), -(-num_splits // gs))
-    return n * (4 * d + 8) + 20 <= stages * BN * (2 * d + 16) + rows * 2 * d + rows * 2 * BN
+    row after the wgmma kernel: on the H200 (session 5, same run as combine_w, the previous
+    default) 100K T=8 b1 90.8 vs 94.7 µs, 8K-32K T=8/16 b1 1.06-1.09x, T=1 b1 equal, no row of the
+    full table slower than 1.03x; col there: no gain (T=1 72.9 vs 72.9 µs, T=8 91.0-92.8 vs 91.6;
+    session 10: 87.2 vs 85.6 at T=8). col after the decode kernel (its 24 rows x 132 splits at T=1
+    b1 over 96 CTAs instead of 24): with PDL 58.7 vs 61.1 µs (row + PDL) at 100K b1, 103.8 vs 106.2
+    at 200K b1, 28.4 vs 30.5 at 32K (session 9)."""
+    return "col" if decode else "row"
 
 
 @functools.lru_cache(maxsize=None)
@@ -227,12 +130,9 @@ def _source() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(name: str, smem: int, source: str | None = None) -> Any:
+def _compiled(name: str, smem: int) -> Any:
     # sm_90a: wgmma exists only in the arch-specific target (supported() admits sm_90 only).
-    # ``source``: another version of the .cu (bench.py times the kernel of an earlier commit).
-    kernel = torch.cuda._compile_kernel(
-        source or _source(), name, compute_capability="90a", nvcc_options=["-std=c++17"]
-    )
+    kernel = torch.cuda._compile_kernel(_source(), name, compute_capability="90a", nvcc_options=["-std=c++17"])
     if smem:
         if hasattr(kernel, "set_shared_memory_config"):
             kernel.set_shared_memory_config(smem)
@@ -244,7 +144,7 @@ def _compiled(name: str, smem: int, source: str | None = None) -> Any:
 
 
 def precompile(jobs: list[tuple], workers: int = 16) -> int:
-    """Compile ``_compiled`` variants [(name, smem[, source])] in threads (NVRTC and the driver's
+    """Compile ``_compiled`` variants [(name, smem)] in threads (NVRTC and the driver's
     PTX load release the GIL): a process that needs many variants (tests, bench) waits ~once.
     Returns how many compiled; a failure is left for the real call to raise."""
     import concurrent.futures
@@ -263,24 +163,19 @@ def precompile(jobs: list[tuple], workers: int = 16) -> int:
         return sum(pool.map(one, list(dict.fromkeys(jobs))))
 
 
-def split_variant(
-    d: int, n8: int, bf16: bool, sched: str, stages: int | None = None, fuse: bool = False,
-    ph: bool = False,
-) -> tuple[str, int]:
-    """(kernel name, dynamic shared memory) of the wgmma split kernel for these parameters
-    (``fuse``: the variant with the fused merge compiled in; ``ph``: fp16 normalised partials)."""
-    stages = stages or pick_stages(d, n8, smem_bytes_wg)
+def split_variant(d: int, n8: int, bf16: bool, sched: str) -> tuple[str, int]:
+    """(kernel name, dynamic shared memory) of the wgmma split kernel for these parameters."""
+    stages = pick_stages(d, n8)
     dyn = "true" if sched == "dyn" else "false"
-    tail = ", false, true" if ph else ", true" if fuse else ""
-    name = f"verify_attn_split_wg<{d}, {n8}, {stages}, {'true' if bf16 else 'false'}, {dyn}{tail}>"
+    name = f"verify_attn_split_wg<{d}, {n8}, {stages}, {'true' if bf16 else 'false'}, {dyn}>"
     return name, smem_bytes_wg(d, n8, stages)
 
 
-# Per-device counters of the wgmma kernel: int32, the DYN tile counters (one per (request, query
-# tile, KV head) unit) then the fused merge's arrival counters (NG + 1 per unit), zero between
-# launches (each launch's last arrival at a counter resets it). Allocated on the first
-# (eager) call and grown only outside a CUDA-graph capture; launches using it must be ordered on
-# one stream (two concurrent launches on different streams would share counters).
+# Per-device tile / chunk counters of the split kernels: int32, one per (request, query tile, KV
+# head) unit (verify_attn_split_wg's dyn tiles) or per request (verify_attn_decode's chunk
+# batches), zero between launches (each launch's last grab resets its counter). Allocated on the
+# first (eager) call and grown only outside a CUDA-graph capture; launches using it must be
+# ordered on one stream (two concurrent launches on different streams would share counters).
 _COUNTERS: dict[int, torch.Tensor] = {}
 
 
@@ -295,43 +190,14 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-# Per-device partials workspace (HH_VERIFY_ATTENTION_WORKSPACE=1): uint8, the partial rows then
-# the (max, sum) pairs of one call, reused by the next call on the stream (the combine of a call
-# reads them before the next call's split kernel writes: stream order). Grown only outside a
-# CUDA-graph capture; a capture that needs more takes torch.empty buffers (the graph's pool).
-_WORKSPACE: dict[int, torch.Tensor] = {}
-
-
-def partial_buffers(
-    device: torch.device, shape: tuple[int, int, int, int], dtype: torch.dtype, persistent: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(part_acc [N, Hq, S, D] of dtype, part_ml [N, Hq, S, 2] fp32) for one launch."""
-    n, hq, s, d = shape
-    if not persistent:
-        return (torch.empty(n, hq, s, d, dtype=dtype, device=device),
-                torch.empty(n, hq, s, 2, dtype=torch.float32, device=device))  # fmt: skip
-    n_acc = -(-n * hq * s * d * dtype.itemsize // 256) * 256
-    n_ml = n * hq * s * 2 * 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    buf = _WORKSPACE.get(idx)
-    if buf is None or buf.numel() < n_acc + n_ml:
-        if torch.cuda.is_current_stream_capturing():
-            return partial_buffers(device, shape, dtype, False)
-        buf = torch.empty(max(n_acc + n_ml, 1 << 20), dtype=torch.uint8, device=device)
-        _WORKSPACE[idx] = buf
-    acc = buf[: n * hq * s * d * dtype.itemsize].view(dtype).view(n, hq, s, d)
-    ml = buf[n_acc : n_acc + n_ml].view(torch.float32).view(n, hq, s, 2)
-    return acc, ml
-
-
 def launch_combine(
     kind: str, out: torch.Tensor, part_acc: torch.Tensor, part_ml: torch.Tensor, pdl: bool = False,
-    cols: int | None = None, trace: torch.Tensor | None = None,
+    trace: torch.Tensor | None = None,
 ) -> None:
-    """Merge the partials [N, Hq, S, D | 2] into out [N, Hq, D]. kind: "row"
-    (verify_attn_combine_r), "col" (verify_attn_combine_c, ``cols`` dims per CTA, None:
-    ``default_combine_cols``; ``trace`` int64 [CTAs, 8] gets its %globaltimer stamps), "w"
-    (verify_attn_combine_w; fp16 partials: its PH variant) or "legacy" (ea506d7's combine)."""
+    """Merge the fp32 partials [N, Hq, S, D | 2] into out [N, Hq, D]. kind: "row"
+    (verify_attn_combine_r), "col" (verify_attn_combine_c, COMBINE_COLS dims per CTA; ``trace``
+    int64 [CTAs, 8] gets its %globaltimer stamps, diag.py), "w" (verify_attn_combine_w) or
+    "legacy" (verify_attn_combine, ea506d7's)."""
     num_tokens, num_q_heads, num_splits, d = part_acc.shape
     bf16 = "true" if out.dtype == torch.bfloat16 else "false"
     rows = num_tokens * num_q_heads
@@ -340,18 +206,18 @@ def launch_combine(
         combine = _compiled(f"verify_attn_combine_r<{d}, {bf16}>", 0)
         grid, block, args = (rows, 1, 1), (256, 1, 1), [out, part_acc, part_ml] + tail
     elif kind == "col":  # verify_attn_combine_c: CTA per row and column block
-        cols = cols or default_combine_cols(d)
-        combine = _compiled(f"verify_attn_combine_c<{d}, {cols}, {bf16}>", 0)
-        grid, block = (rows * (d // cols), 1, 1), (256, 1, 1)
+        combine = _compiled(f"verify_attn_combine_c<{d}, {COMBINE_COLS}, {bf16}>", 0)
+        grid, block = (rows * (d // COMBINE_COLS), 1, 1), (256, 1, 1)
         args = [out, part_acc, part_ml] + tail + [trace if trace is not None else out, int(trace is not None)]
     elif kind == "w":
-        ph = ", true" if part_acc.dtype == torch.float16 else ""
-        combine = _compiled(f"verify_attn_combine_w<{d}, {bf16}{ph}>", 0)
+        combine = _compiled(f"verify_attn_combine_w<{d}, {bf16}>", 0)
         grid, block = (math.ceil(rows * (d // 8) / 4), 1, 1), (128, 1, 1)
         args = [out, part_acc, part_ml] + tail + [rows]
-    else:  # ea506d7's combine (the mma.sync kernel always)
+    elif kind == "legacy":  # ea506d7's combine, below COMBINE_MIN_SPLITS splits
         combine = _compiled(f"verify_attn_combine<{d}, {bf16}>", 0)
         grid, block, args = (rows, 1, 1), (256, 1, 1), [out, part_acc, part_ml] + tail
+    else:
+        raise ValueError(f"combine kind {kind!r}: row, col, w or legacy")
     if pdl:
         _launch_pdl(combine, grid, block, args)
     else:
@@ -417,11 +283,11 @@ def _set_attr(func: Any, attr: int, value: int) -> None:
         raise RuntimeError(f"cuFuncSetAttribute({attr}, {value}) failed: CUresult {err}")
 
 
-def _tile(group: int, max_seqlen_q: int) -> tuple[int, int, int, int]:
-    """(tokens per query tile, query tiles, m16 tiles, n8 tiles) for a request of max_seqlen_q."""
+def _tile(group: int, max_seqlen_q: int) -> tuple[int, int, int]:
+    """(tokens per query tile, query tiles, n8 tiles) for a request of max_seqlen_q."""
     block_q = max(1, min(max(1, max_seqlen_q), MAX_ROWS // group))
     rows = block_q * group
-    return block_q, math.ceil(max(1, max_seqlen_q) / block_q), math.ceil(rows / 16), math.ceil(rows / 8)
+    return block_q, math.ceil(max(1, max_seqlen_q) / block_q), math.ceil(rows / 8)
 
 
 def supported(
@@ -494,92 +360,61 @@ def verify_attention_cuda(
     window: int,
     block_table: torch.Tensor,
     num_splits: int | None = None,
-    stages: int | None = None,
-    combine: bool = True,
-    kernel: str | None = None,
-    sched: str | None = None,
-    pdl: bool | None = None,
-    trace: torch.Tensor | None = None,
-    fuse: bool | None = None,
-    merge_group: int | None = None,
-    partials: str | None = None,
-    combine_kernel: str | None = None,
-    combine_cols: int | None = None,
-    workspace: bool | None = None,
-    combine_trace: torch.Tensor | None = None,
+    *,
     decode: bool | None = None,
-    decode_mode: int = 0,
+    sched: str | None = None,
+    combine_kernel: str | None = None,
+    pdl: bool | None = None,
+    combine: bool = True,
+    trace: torch.Tensor | None = None,
+    combine_trace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch; the contract is ``kernels.verify_attention.verify_attention``'s (window = W or 0).
 
-    ``stages`` overrides the ring depth and ``combine=False`` skips the merge of the partials
-    (out is then not written): both for timing experiments only. ``kernel``: "wgmma" or "mma"
-    (None: ``default_kernel()``). wgmma only: ``sched`` "dyn" / "static" (None:
-    ``default_sched(n8)``), ``pdl`` launches the combine with programmatic dependent launch (None:
-    ``default_pdl(decode)``), ``trace`` an int64 [CTAs, 8] tensor for per-CTA %globaltimer stamps,
-    ``fuse`` merges the partials inside the split kernel (None: ``default_fuse(n8)``) in groups
-    of ``merge_group`` splits (None: ``merge_group_for``); ``partials`` "fp32" / "fp16" (None:
-    ``default_partials()``; fp16 only where the combine_w kernel merges); ``combine_kernel`` "w" /
-    "row" / "col" (None: ``default_combine(decode)``) where >= 32 splits are merged, ``combine_cols``
-    the col kernel's dims per CTA (None: ``default_combine_cols``), ``combine_trace`` its stamps;
-    ``workspace``: partials in the per-device buffer (None: ``default_workspace()``); ``decode``:
-    verify_attn_decode where a query tile holds at most 8 rows (None: ``default_decode(keys)``),
-    ``decode_mode`` 0, or 2 / 3 / 4 for its read-only probes (timing only: out is not written)."""
+    The keywords override one choice of the launcher's rule (None: the rule), so tests and
+    diag.py can run every path the rule uses on any shape: ``decode`` verify_attn_decode where
+    a query tile holds at most 8 rows (None: ``default_decode(keys)``); ``sched`` the wgmma
+    kernel's "dyn" / "static" tiles (None: ``default_sched(n8)``); ``combine_kernel`` "row" /
+    "col" / "w" where 32..256 splits are merged (None: ``default_combine(decode)``); ``pdl`` the
+    combine's programmatic dependent launch (None: ``default_pdl(decode)``). Timing only:
+    ``combine=False`` skips the merge of the partials (out is then not written); ``trace`` /
+    ``combine_trace``: int64 [CTAs, 8] buffers for the split / column-combine kernels' per-CTA
+    %globaltimer stamps."""
     num_tokens, num_q_heads, d = q.shape
     num_seqs = seqused_k.shape[0]
     hkv = k.shape[2]
     group = num_q_heads // hkv
-    block_q, n_qt, mt, n8 = _tile(group, max_seqlen_q)
-    num_splits_given = num_splits
+    block_q, n_qt, n8 = _tile(group, max_seqlen_q)
     keys = max_seqlen_k if window <= 0 else min(max_seqlen_k, window + block_q)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if num_splits is None else 0
-    if num_splits is None:
-        num_splits = num_splits_for(num_seqs, hkv, n_qt, keys, sms)
     bf16 = "true" if q.dtype == torch.bfloat16 else "false"
-    wgmma = (kernel or default_kernel()) == "wgmma"
-    sched = (sched or default_sched(n8)) if num_splits > 1 else "static"
-    gs = 0  # fused merge: splits per first-level group (0: the combine kernel merges)
     # The decode kernel's 16-key chunks are whole pages' slices (page sizes that are multiples of
     # 16), and its 8 warps stream every KV head (1, 2, 4 or 8 of them).
-    dec = (wgmma and n8 == 1 and k.shape[1] % 16 == 0 and DECODE_WARPS % hkv == 0
+    dec = (n8 == 1 and k.shape[1] % 16 == 0 and DECODE_WARPS % hkv == 0
            and (default_decode(keys) if decode is None else decode))  # fmt: skip
-    pdl = default_pdl(dec) if pdl is None else pdl
-    if dec:  # same arguments (the first 24), same partials; no counters, no fused merge
-        if num_splits_given is None:
+    if dec:  # same arguments (the first 24), same partials; a chunk-batch counter per request
+        if num_splits is None:
             num_splits = num_splits_decode(num_seqs, keys, sms)
-        stages = stages or pick_stages_decode(d, hkv)
+        stages = pick_stages_decode(d, hkv)
         smem = smem_bytes_decode(d, hkv, stages)
-        split_kernel = _compiled(f"verify_attn_decode<{d}, {stages}, {hkv}, {bf16}, {decode_mode}>", smem)
-        sched, ph = "static", False
-        ckind = combine_kernel or default_combine(decode=True)
-        row = 32 <= num_splits <= ROW_COMBINE_MAX_SPLITS and ckind in ("row", "col")
-    elif wgmma:
-        stages = stages or pick_stages(d, n8, smem_bytes_wg)
-        smem = smem_bytes_wg(d, n8, stages)
-        fuse = default_fuse(n8) if fuse is None else fuse
-        if fuse and combine and num_splits > 1:
-            gs = merge_group or merge_group_for(num_splits)
-            gs = gs if merge_fits(d, n8, stages, num_splits, gs) else 0
-        # fp16 partials only where verify_attn_combine_w (>= 32 splits) merges them.
-        ckind = combine_kernel or default_combine()
-        row = not gs and 32 <= num_splits <= ROW_COMBINE_MAX_SPLITS and ckind in ("row", "col")
-        ph = not gs and not row and combine and num_splits >= 32 and (partials or default_partials()) == "fp16"
-        split_kernel = _compiled(*split_variant(d, n8, bf16 == "true", sched, stages, fuse=gs > 0, ph=ph))
+        split_kernel = _compiled(f"verify_attn_decode<{d}, {stages}, {hkv}, {bf16}>", smem)
     else:
-        stages = stages or pick_stages(d, mt)
-        smem = smem_bytes(d, mt, stages)
-        split_kernel = _compiled(f"verify_attn_split<{d}, {mt}, {n8}, {stages}, {bf16}>", smem)
-        ph = row = False
-        ckind = "legacy"
+        if num_splits is None:
+            num_splits = num_splits_for(num_seqs, hkv, n_qt, keys, sms)
+        sched = (sched or default_sched(n8)) if num_splits > 1 else "static"
+        name, smem = split_variant(d, n8, bf16 == "true", sched)
+        split_kernel = _compiled(name, smem)
     if num_splits > 1:
-        pdt = torch.float16 if ph else torch.float32
-        persistent = default_workspace() if workspace is None else workspace
-        part_acc, part_ml = partial_buffers(q.device, (num_tokens, num_q_heads, num_splits, d), pdt, persistent)
+        part_acc = torch.empty(num_tokens, num_q_heads, num_splits, d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_tokens, num_q_heads, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
-        part_acc = part_ml = out  # unused
-    # Counters (one int32 buffer): [units] DYN tiles, then [units][NG + 1] fused-merge arrivals.
-    units = num_seqs * n_qt * hkv
-    ng = -(-num_splits // gs) if gs else 0
+        part_acc = part_ml = out  # unused: one split writes out
+    # The decode kernel's chunk-batch counter per request; the wgmma kernel's dyn tile counter per
+    # (request, query tile, KV head) unit (any tensor with static tiles).
+    if dec:
+        ctr = _counters(q.device, num_seqs)
+    else:
+        ctr = _counters(q.device, num_seqs * n_qt * hkv) if sched == "dyn" else out
     split_kernel(
         grid=((1 if dec else hkv) * n_qt * num_splits, num_seqs, 1),
         block=(32 * (DECODE_WARPS + 1) if dec else THREADS, 1, 1),
@@ -588,19 +423,14 @@ def verify_attention_cuda(
             float(softmax_scale * LOG2E), int(window), int(num_splits), n_qt, block_q, group,
             k.shape[1], hkv, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k.stride(0), k.stride(1), k.stride(2), block_table.stride(0),
-        ] + ([
-            _counters(q.device, units * (ng + 2)) if sched == "dyn" else out,
-            trace if trace is not None else out, int(trace is not None),
-            gs, _counters(q.device, units * (ng + 2))[units:] if gs else out,
-        ] if wgmma and not dec else [
-            _counters(q.device, num_seqs), trace if trace is not None else out, int(trace is not None),
-        ] if dec else []),
+            ctr, trace if trace is not None else out, int(trace is not None),
+        ],
         shared_mem=smem,
     )  # fmt: skip
-    if num_splits > 1 and num_tokens and combine and not gs and not (dec and decode_mode):  # probes: no merge
-        # From 32 splits verify_attn_combine_r (default), _c or _w (one warp per row x 8 dims,
-        # lane = split); below, ea506d7's combine: combine_w's lanes idle there (H200, drafter
-        # w=2048 T=8 b4: 30.8 vs 25.5 µs; NOTES.md).
-        kind = ckind if row else "w" if wgmma and num_splits >= 32 else "legacy"
-        launch_combine(kind, out, part_acc, part_ml, pdl, combine_cols, combine_trace)
+    if num_splits > 1 and num_tokens and combine:
+        if COMBINE_MIN_SPLITS <= num_splits <= ROW_COMBINE_MAX_SPLITS:
+            kind = combine_kernel or default_combine(dec)
+        else:
+            kind = "w" if num_splits >= COMBINE_MIN_SPLITS else "legacy"
+        launch_combine(kind, out, part_acc, part_ml, default_pdl(dec) if pdl is None else pdl, combine_trace)
     return out

@@ -1,41 +1,35 @@
-// Split-KV verify attention over vLLM 0.32.0's int8 per-token-head paged KV cache (CUDA).
+// Split-KV verify attention over vLLM 0.32.0's int8 per-token-head paged KV cache (CUDA, sm_90a).
 //
 // Compiled at run time by NVRTC (kernels/verify_attention/cuda/__init__.py), so it includes no
 // header: every special instruction is inline PTX (the launcher puts sm90_bulk.cuh, the mbarrier
-// and TMA helpers, in front of this text). Two versions of the split kernel:
-// verify_attn_split (mma.sync, cp.async, ldmatrix: sm_80+; the kernel of commit ea506d7) and
-// verify_attn_split_wg (both products on wgmma: sm_90a only; the default, see its header below).
+// and TMA helpers, in front of this text). Kernels (the launcher's rule picks them; NOTES.md):
+// * verify_attn_split_wg: the split kernel, both products on wgmma (any query tile up to 48 rows);
+// * verify_attn_decode: the split kernel for tiles of at most 8 rows from 32K keys (T=1 at G=6):
+//   TMA page slices, warp streams, every KV head in one CTA;
+// * verify_attn_combine / _r / _c / _w: merge the splits' fp32 partials (by split count and by
+//   the split kernel that wrote them).
+// The mma.sync split kernel of ea506d7 (the first CUDA kernel) was removed once the wgmma kernel
+// had beaten it on every row (1344eca); its code and measurements stay in git (HISTORY.md).
 // Sized for sm_90 (two 128-thread CTAs per SM fit its 228 KB of shared memory).
 //
 // Shapes (legend as in reference.py): q [N, Hq, D] bf16/fp16, out [N, Hq, D], the cache as
 // records of 2D + 8 bytes per (block, slot, KV head): K int8[D] | K scale f32 | V int8[D] |
 // V scale f32. G = Hq / Hkv query heads share one KV head.
 //
-// verify_attn_split: one CTA per (KV head, query tile, KV split, request), 4 warps. It holds the
-// query rows of one KV head (row r = token * G + group, up to 48 rows = MT m16 tiles) in shared
-// memory and walks its key range in tiles of BN = 64 keys:
-// * Loads: each key's record is copied with 16-byte cp.async through a 16-byte-aligned window
-//   (the record starts 0 or 8 bytes into it: SHIFT) into a STAGES-deep shared-memory ring, so the
-//   V half (only 4-byte aligned in memory) costs no narrow copies. Row pitch RP = 2D + 16 bytes
-//   (132 words at D=256, = 4 mod 32) keeps every shared-memory read below conflict-free.
-// * S = Q K^T with mma.sync m16n8k16 (fp16 in, fp32 out): query rows on M, keys on N; each warp
-//   owns 16 keys of the tile. The contraction index d may be permuted freely, so thread (g, c)
-//   reads one 32-bit word (4 int8 of key g) per k-step and converts it straight into its B
-//   fragment; Q is stored in shared memory in the matching (permuted) order, pre-scaled by
-//   softmax_scale * log2(e) and read with ldmatrix.
-// * int8 -> fp16 is exact with the magic-number trick: fp16(0x6400 | (x ^ 0x80)) - 1152.
+// What the split kernels share: one CTA per (KV head, query tile, KV split, request) (the decode
+// kernel: per (query tile, split, request), every KV head) holds the query rows of its KV head(s)
+// (row r = token * G + group) and walks its key range.
+// * Loads: each key's record is copied through a 16-byte-aligned window (the record starts 0 or
+//   8 bytes into it: the head's shift), so the V half (only 4-byte aligned in memory) costs no
+//   narrow copies. Row pitch RP = 2D + 16 bytes keeps the shared-memory reads conflict-free.
+// * int8 -> fp16 is exact with the magic-number trick: fp16(0x6400 | (x ^ 0x80)) - 1152. K enters
+//   QK as int8 + 1152 with S's accumulator started at -1152 x the fp16 Q row sum.
+// * Q is pre-scaled by softmax_scale * log2(e), with its contraction index permuted to match the
+//   order in which a thread reads a key's bytes.
 // * Per-token scales: K scale multiplies S, V scale multiplies P (before its fp16 rounding).
-// * Online softmax: each warp takes the row max over its 16 keys; the 4 warps exchange them in
-//   shared memory, so every warp uses the same running max and P needs no per-warp rescale. The
-//   max is updated lazily (only when it grows by more than 2^8), so rescales are rare.
-// * O^T = V^T P^T with mma.sync (the "swapped" product): D on M, query rows on N (N8 n8 tiles, no
-//   padding to 16 rows: T=1 with G=6 is one n8 tile). Each warp owns D/4 output dims, so its
-//   accumulator is (D/4) x (8 N8) fp32: 96 registers at D=256, 48 rows. The key index of this
-//   product is the PV contraction: a thread needs two keys' bytes for one d, which it gets from
-//   two 32-bit words (keys 2c, 2c+1) with one byte permute (prmt) per pair; the four d values of
-//   a word land in four different m16 tiles (output dims permuted, un-permuted at the store).
+// * Online softmax, lazy: the running max moves only when a score exceeds it by more than 2^8.
 // * Output: one split writes bf16/fp16 out directly; several write fp32 partials (unnormalised
-//   accumulator, running max in log2 units, running sum) that verify_attn_combine merges.
+//   accumulator, running max in log2 units, running sum) that a combine kernel merges.
 // The key range of each split is computed on the device from seq_lens, so one launch shape
 // serves every length (CUDA-graph friendly).
 
@@ -85,18 +79,6 @@ DI float lds_f32(u32 addr) {
   return v;
 }
 DI void sts32(u32 addr, u32 v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v)); }
-DI void sts_f32(u32 addr, float v) { asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v)); }
-
-DI void ldmatrix_x4(u32 (&r)[4], u32 addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-DI void ldmatrix_x2(u32& r0, u32& r1, u32 addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
-               : "=r"(r0), "=r"(r1)
-               : "r"(addr));
-}
 
 // D += A B, m16n8k16, fp16 operands, fp32 accumulators.
 DI void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
@@ -192,7 +174,7 @@ DI u32 smid() {
 }
 
 
-// The arguments of every split kernel (verify_attn_split, _split_wg, _decode), in the launcher's
+// The arguments of both split kernels (verify_attn_split_wg, verify_attn_decode), in the launcher's
 // order; some kernels take more after them.
 #define VA_SPLIT_ARGS                                                                              \
   const unsigned short* __restrict__ q,  /* [N, Hq, D] */                                          \
@@ -209,7 +191,7 @@ DI u32 smid() {
   int stride_q_tok, int stride_q_head, int stride_o_tok, int stride_o_head,                        \
   int stride_kv_blk, int stride_kv_slot, int stride_kv_head, int stride_bt
 
-// ---- Shared by the split kernels (verify_attn_split, verify_attn_split_wg, verify_attn_decode) ----
+// ---- Shared by the split kernels (verify_attn_split_wg, verify_attn_decode) ----
 
 // One (request b, query tile qt) unit of a split kernel: query tokens [q_lo, q_hi) of the request's
 // q_len (its first at row q_start of q), rows = (q_hi - q_lo) x G query rows, keys [k_lo, k_hi):
@@ -231,437 +213,17 @@ DI bool unit_at(Unit& u, const int* cu_q, const int* seq_lens, int b, int qt, in
   return true;
 }
 
-// Block-table lookup of one key (blk = -1 past n_end: its copy zero-fills).
-DI void lookup_key(int key, int n_end, int page, const int* bt_row, int& blk, int& slot) {
-  blk = -1, slot = 0;
-  if (key < n_end) {
-    const int lp = key / page;
-    slot = key - lp * page;
-    blk = bt_row[lp];
-  }
-}
-
-// Copy the record windows of one warp's 16 keys kb.. kb + 15 into the ring rows at dst (pitch
-// 2 D + 16 bytes). Lane i < 16 holds key kb + i's block / slot. A copy round moves D / 8 chunks
-// of 256 / D keys (512 contiguous bytes per key at D = 256); one last round the final chunk of
-// all 16 keys. Keys at or past n_end are zero-filled (no read). head_off = h * stride_kv_head -
-// shift: the window starts shift (0 or 8) bytes before the record.
-template <int D>
-DI void copy_keys16(u32 dst, const signed char* kv, int blk, int slot, i64 head_off,
-                    int stride_kv_blk, int stride_kv_slot, int kb, int n_end, int lane) {
-  constexpr int RP = 2 * D + 16;
-  constexpr int CK = D / 8;     // chunks per key in the main rounds (RP / 16 = CK + 1)
-  constexpr int KPR = 32 / CK;  // keys per main round
-  u64 src = reinterpret_cast<u64>(kv);
-  if (blk >= 0) src += (u64)((i64)blk * stride_kv_blk + (i64)slot * stride_kv_slot + head_off);
-  const int kl = lane / CK, ch = lane % CK;
-#pragma unroll
-  for (int r = 0; r < 16 / KPR; ++r) {
-    const int kk = r * KPR + kl;
-    const u64 a = ((u64)shfl_idx((u32)(src >> 32), kk) << 32) | shfl_idx((u32)src, kk);
-    const bool ok = kb + kk < n_end;
-    cp_async16(dst + kk * RP + ch * 16, ok ? a + ch * 16 : a, ok ? 16 : 0);
-  }
-  if (lane < 16) {
-    const bool ok = blk >= 0;
-    cp_async16(dst + lane * RP + CK * 16, ok ? src + CK * 16 : src, ok ? 16 : 0);
-  }
-}
-
-// Row (j, e) of a thread's accumulator fragments (acc[f % MTD][j][2 (f / MTD) + e], MTD = D / 64)
-// times `inv` -> 16-bit values at dst: WV packed 4-value (8-byte) stores, 32 elements apart. Used
-// by store_rows and by verify_attn_split_wg's fp16 partial rows.  The wg kernel's own output store
-// stays written out: through the helper its 48-row SASS differs by a register swap and stall bits,
-// and that kernel is kept opcode for opcode (see its epilogue comment).
-template <bool BF16, int WV, int MTD, int N8>
-DI void store_norm_row(unsigned short* dst, const float (&acc)[MTD][N8][4], int j, int e, float inv) {
-#pragma unroll
-  for (int wd = 0; wd < WV; ++wd) {
-    float v[4];
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      const int f = 4 * wd + jj;
-      v[jj] = acc[f % MTD][j][2 * (f / MTD) + e] * inv;
-    }
-    uint2 pk;
-    pk.x = pack_out<BF16>(v[0], v[1]);
-    pk.y = pack_out<BF16>(v[2], v[3]);
-    *reinterpret_cast<uint2*>(dst + 32 * wd) = pk;
-  }
-}
-
-// Epilogue of both split kernels. Thread (warp, g, c) holds query rows 8 j + 2 c + e of its
-// warp's D / 4 output dims, permuted: value f = 4 wd + jj (dim warp * D / 4 + 4 g + 32 wd + jj) of
-// a row is acc[f % MTD][j][2 (f / MTD) + e]. red_s [4][R]: the warps' row sums; m_s [R]: running
-// max. One split: normalised rows -> out. Several: split `split`'s fp32 partial (unnormalised
-// accumulator, max in log2 units, sum) -> part_acc / part_ml [N, Hq, num_splits, D | 2].
-template <int D, int N8, int R, bool BF16>
-DI void store_rows(const float (&acc)[D / 64][N8][4], const float* red_s, const float* m_s,
-                   int rows, int G, i64 tok0, int h, int Hq, int split, int num_splits,
-                   unsigned short* out, int stride_o_tok, int stride_o_head, float* part_acc,
-                   float* part_ml, int warp, int g, int c) {
-  constexpr int NW = 4, DW = D / NW, MTD = DW / 16, WV = DW / 32;
-#pragma unroll
-  for (int j = 0; j < N8; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int row = 8 * j + 2 * c + e;
-      if (row >= rows) continue;
-      float l = 0.f;
-#pragma unroll
-      for (int w = 0; w < NW; ++w) l += red_s[w * R + row];
-      const int t = row / G, grp = row - (row / G) * G;
-      const i64 tok = tok0 + t;
-      const int hq = h * G + grp;
-      if (num_splits == 1) {
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        unsigned short* o = out + tok * stride_o_tok + (i64)hq * stride_o_head + warp * DW + 4 * g;
-        store_norm_row<BF16, WV>(o, acc, j, e, inv);
-      } else {
-        const i64 pr = (tok * Hq + hq) * num_splits + split;
-        float* pa = part_acc + pr * D + warp * DW + 4 * g;
-#pragma unroll
-        for (int wd = 0; wd < WV; ++wd) {
-          float4 v;
-          v.x = acc[(4 * wd + 0) % MTD][j][2 * ((4 * wd + 0) / MTD) + e];
-          v.y = acc[(4 * wd + 1) % MTD][j][2 * ((4 * wd + 1) / MTD) + e];
-          v.z = acc[(4 * wd + 2) % MTD][j][2 * ((4 * wd + 2) / MTD) + e];
-          v.w = acc[(4 * wd + 3) % MTD][j][2 * ((4 * wd + 3) / MTD) + e];
-          *reinterpret_cast<float4*>(pa + 32 * wd) = v;
-        }
-        if (warp == 0 && g == 0) {
-          part_ml[pr * 2] = m_s[row];
-          part_ml[pr * 2 + 1] = l;
-        }
-      }
-    }
-}
-
 }  // namespace va
 
 // Threads per CTA and keys per tile (shared with the launcher in __init__.py).
 #define VA_THREADS 128
 #define VA_BN 64
 
-// Template parameters: D head size (128 or 256); MT query m16 tiles (rows <= 16 MT); N8 query n8
-// tiles in the PV product (rows <= 8 N8); STAGES ring depth; BF16 q/out dtype (else fp16).
-template <int D, int MT, int N8, int STAGES, bool BF16>
-__global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split(
-    VA_SPLIT_ARGS) {
-  using namespace va;
-  constexpr int BN = VA_BN;
-  constexpr int NW = VA_THREADS / 32;
-  constexpr int RP = 2 * D + 16;       // shared row pitch of one key's window (bytes)
-  constexpr int QP = 2 * D + 16;       // Q row pitch (bytes), = 16 mod 128: ldmatrix conflict-free
-  constexpr int PP = 2 * BN + 16;      // P row pitch (bytes), = 16 mod 128
-  constexpr int R = 16 * MT;           // query rows held (padded)
-  constexpr int DW = D / NW;           // output dims per warp in the PV product
-  constexpr int MTD = DW / 16;         // m16 tiles per warp in the PV product
-  constexpr int WV = DW / 32;          // 32-bit V words per key row per thread
-  static_assert(D == 128 || D == 256, "head size 128 or 256");
-  static_assert(N8 <= 2 * MT, "N8 <= 2 MT");
-
-  extern __shared__ __align__(16) unsigned char smem[];
-  const u32 kv_s = smem_addr(smem);
-  const u32 q_s = kv_s + STAGES * BN * RP;
-  const u32 p_s = q_s + R * QP;
-  float* red_s = reinterpret_cast<float*>(smem + STAGES * BN * RP + R * QP + R * PP);  // [NW][R]
-  float* alpha_s = red_s + NW * R;                                                      // [R]
-  float* m_s = alpha_s + R;                                                             // [R]
-
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
-
-  int bx = blockIdx.x;
-  const int h = bx % num_kv_heads;
-  bx /= num_kv_heads;
-  const int qt = bx % num_q_tiles;
-  const int split = bx / num_q_tiles;
-  const int b = blockIdx.y;
-
-  Unit un;
-  if (!unit_at(un, cu_q, seq_lens, b, qt, block_q, G, window)) return;  // uniform over the CTA
-  const int q_start = un.q_start, q_lo = un.q_lo, q_hi = un.q_hi;
-  const int rows = un.rows;
-  const int ctx = un.ctx, k_hi = un.k_hi, k_lo = un.k_lo;
-  const int span = max(k_hi - k_lo, 0);
-  const int per = ((span + num_splits - 1) / num_splits + BN - 1) / BN * BN;
-  const int n_start = k_lo + split * per;
-  const int n_end = min(n_start + per, k_hi);
-  const int ntiles = n_end > n_start ? (n_end - n_start + BN - 1) / BN : 0;
-  const int Hq = num_kv_heads * G;
-  // The record starts SHIFT (0 or 8) bytes into its 16-byte-aligned window; the launcher checks
-  // that block and slot strides are multiples of 16, so SHIFT depends on the head only.
-  const int shift = (int)((reinterpret_cast<u64>(kv) + (u64)h * (u64)stride_kv_head) & 15u);
-
-  // ---- K/V tile loads: warp w copies the windows of keys [16w, 16w + 16) of the tile. Lanes
-  // 0..15 look up the window address of one key each; a copy round then moves D / 8 chunks of
-  // 256 / D keys (512 contiguous bytes per key at D = 256), and one last round the final chunk of
-  // all 16 keys. Keys past the split's end are zero-filled (no read): scale 0, masked anyway.
-  // The block-table entry of each key is loaded one tile ahead of its copy (lookup), so the
-  // dependent global load does not stall the warp at the top of every tile (ncu: long scoreboard).
-  const int* const bt_row = block_table + (i64)b * stride_bt;
-  const i64 head_off = (i64)h * stride_kv_head - shift;
-  auto lookup = [&](int tile, int& blk, int& slot) {
-    lookup_key(n_start + tile * BN + warp * 16 + (lane & 15), n_end, page, bt_row, blk, slot);
-  };
-  auto issue = [&](int tile, int blk, int slot) {
-    copy_keys16<D>(kv_s + (tile % STAGES) * (BN * RP) + warp * 16 * RP, kv, blk, slot, head_off,
-                   stride_kv_blk, stride_kv_slot, n_start + tile * BN + warp * 16, n_end, lane);
-  };
-
-  int nblk, nslot;  // block-table lookup of the next tile to copy
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    lookup(s, nblk, nslot);
-    if (s < ntiles) issue(s, nblk, nslot);
-    cp_async_commit();
-  }
-  lookup(STAGES - 1, nblk, nslot);
-
-  // ---- Q -> shared memory, fp16, pre-scaled, contraction index permuted within each 16-chunk:
-  // physical d = 16 s + 4 c + e (e < 4) goes to logical k = 2c + e (e < 2) or 8 + 2c + e - 2, the
-  // order in which thread c of a quad meets the 4 bytes of its K word in the B fragment.
-  {
-    const float qs = (float)qk_scale_d;
-    for (int it = tid; it < R * (D / 4); it += VA_THREADS) {
-      const int r = it / (D / 4);
-      const int rem = it - r * (D / 4);
-      const int s = rem >> 2, cc = rem & 3;
-      float v[4] = {0.f, 0.f, 0.f, 0.f};
-      if (r < rows) {
-        const int t = r / G, grp = r - (r / G) * G;
-        const unsigned short* p = q + (i64)(q_start + q_lo + t) * stride_q_tok +
-                                  (i64)(h * G + grp) * stride_q_head + 16 * s + 4 * cc;
-        const u64 raw = *reinterpret_cast<const u64*>(p);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) v[e] = to_f32<BF16>((unsigned short)(raw >> (16 * e))) * qs;
-      }
-      sts32(q_s + r * QP + (16 * s + 2 * cc) * 2, pack_f16(v[0], v[1]));
-      sts32(q_s + r * QP + (16 * s + 8 + 2 * cc) * 2, pack_f16(v[2], v[3]));
-    }
-  }
-
-  // Positions of this thread's S rows (16 mt + g + 8 hf) for the causal / window masks.
-  int qpos[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) qpos[mt][hf] = ctx + q_lo + (16 * mt + g + 8 * hf) / G;
-
-  float m_r[MT][2], l_r[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) m_r[mt][hf] = NEG_INF, l_r[mt][hf] = 0.f;
-  float acc[MTD][N8][4];
-#pragma unroll
-  for (int t = 0; t < MTD; ++t)
-#pragma unroll
-    for (int j = 0; j < N8; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[t][j][i] = 0.f;
-
-  const u32 q_ld = q_s + (lane & 15) * QP + (lane >> 4) * 16;
-  const u32 p_ld = p_s + ((lane & 7) + 8 * (lane >> 4)) * PP + ((lane >> 3) & 1) * 16;
-
-  for (int it = 0; it < ntiles; ++it) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // tile `it` landed for every thread; every warp is done with tile it - 1
-    if (it + STAGES - 1 < ntiles) issue(it + STAGES - 1, nblk, nslot);
-    cp_async_commit();
-    lookup(it + STAGES, nblk, nslot);
-
-    const u32 st = kv_s + (it % STAGES) * (BN * RP);
-    const int kb = n_start + it * BN;
-
-    // ---- S = Q K^T for this warp's 16 keys: s[mt][nt] is rows 16 mt.., keys 16 w + 8 nt..
-    // Even and odd k-steps accumulate separately: two independent mma chains per output tile
-    // halve the chain of dependent mma latencies (the kernel is latency-bound at 2 warps per
-    // scheduler; ncu: "wait" was the top stall).
-    float s[MT][2][4], s2[MT][2][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) s[mt][nt][i] = 0.f, s2[mt][nt][i] = 0.f;
-    const u32 k0 = st + (warp * 16 + g) * RP + shift + 4 * c;
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      u32 b0[2], b1[2];
-      i8x4_to_f16(lds32(k0 + 16 * ks), b0[0], b0[1]);
-      i8x4_to_f16(lds32(k0 + 8 * RP + 16 * ks), b1[0], b1[1]);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        u32 a[4];
-        ldmatrix_x4(a, q_ld + mt * 16 * QP + ks * 32);
-        mma16816((ks & 1) ? s2[mt][0] : s[mt][0], a, b0[0], b0[1]);
-        mma16816((ks & 1) ? s2[mt][1] : s[mt][1], a, b1[0], b1[1]);
-      }
-    }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) s[mt][nt][i] += s2[mt][nt][i];
-
-    // ---- scales, masks, row max over this warp's keys
-    float vsc[2][2];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const u32 row = st + (warp * 16 + 8 * nt + 2 * c + e) * RP + shift;
-        const float ksc = lds_f32(row + D);
-        vsc[nt][e] = lds_f32(row + 2 * D + 4);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          s[mt][nt][e] *= ksc;
-          s[mt][nt][2 + e] *= ksc;
-        }
-      }
-    const bool need_mask = kb + BN > n_end || kb + BN - 1 > ctx + q_lo ||
-                           (window > 0 && kb < ctx + q_hi - window);
-    if (need_mask) {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int kpos = kb + warp * 16 + 8 * nt + 2 * c + e;
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-              const int qp = qpos[mt][hf];
-              const bool vis = kpos < n_end && kpos <= qp && (window <= 0 || qp - kpos < window);
-              if (!vis) s[mt][nt][2 * hf + e] = NEG_INF;
-            }
-        }
-    }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        float mx = fmaxf(fmaxf(s[mt][0][2 * hf], s[mt][0][2 * hf + 1]),
-                         fmaxf(s[mt][1][2 * hf], s[mt][1][2 * hf + 1]));
-        mx = fmaxf(mx, shfl_xor(mx, 1));
-        mx = fmaxf(mx, shfl_xor(mx, 2));
-        if (c == 0) red_s[warp * R + 16 * mt + g + 8 * hf] = mx;
-      }
-    __syncthreads();  // row maxima of all warps
-
-    // ---- online softmax; P (times the V scale) -> shared memory as fp16 [row][key]
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int row = 16 * mt + g + 8 * hf;
-        float tmax = red_s[row];
-#pragma unroll
-        for (int w = 1; w < NW; ++w) tmax = fmaxf(tmax, red_s[w * R + row]);
-        // Lazy rescale: the reference max moves only when the tile's max exceeds it by more than
-        // 8 (log2 units), so P stays <= 2^8 and the accumulator rescale is rare after the first
-        // tiles. Every warp takes the same decision from the same inputs.
-        const float mo = m_r[mt][hf];
-        const float mn = tmax > mo + 8.f ? tmax : mo;
-        const float ms = mn == NEG_INF ? 0.f : mn;
-        const float alpha = mn == mo ? 1.f : ex2(mo - ms);
-        m_r[mt][hf] = mn;
-        float ls = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const float p0 = ex2(s[mt][nt][2 * hf] - ms);
-          const float p1 = ex2(s[mt][nt][2 * hf + 1] - ms);
-          ls += p0 + p1;
-          sts32(p_s + row * PP + (warp * 16 + 8 * nt + 2 * c) * 2,
-                pack_f16(p0 * vsc[nt][0], p1 * vsc[nt][1]));
-        }
-        l_r[mt][hf] = l_r[mt][hf] * alpha + ls;
-        if (warp == 0 && c == 0) alpha_s[row] = alpha;
-      }
-    __syncthreads();  // P and alpha of all warps
-
-    // ---- O^T += V^T P^T over this warp's D/4 output dims
-    {
-      float al[N8][2];
-      bool rescale = false;
-#pragma unroll
-      for (int j = 0; j < N8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          al[j][e] = alpha_s[8 * j + 2 * c + e];
-          rescale |= al[j][e] != 1.f;
-        }
-      if (__any_sync(0xffffffffu, rescale)) {
-#pragma unroll
-        for (int t = 0; t < MTD; ++t)
-#pragma unroll
-          for (int j = 0; j < N8; ++j)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[t][j][i] *= al[j][i & 1];
-      }
-    }
-    const u32 v0 = st + shift + D + 4 + warp * DW + 4 * g;
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      u32 af[MTD][4];
-#pragma unroll
-      for (int kp = 0; kp < 2; ++kp) {
-        const int key = 16 * kk + 8 * kp + 2 * c;
-#pragma unroll
-        for (int wd = 0; wd < WV; ++wd) {
-          const u32 w0 = lds32(v0 + key * RP + 32 * wd);
-          const u32 w1 = lds32(v0 + (key + 1) * RP + 32 * wd);
-          u32 hv[4];
-          i8x4_to_f16(prmt(w0, w1, 0x5140u), hv[0], hv[1]);  // d +0, +1 of keys (key, key + 1)
-          i8x4_to_f16(prmt(w0, w1, 0x7362u), hv[2], hv[3]);  // d +2, +3
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int f = 4 * wd + j;  // -> m16 tile f % MTD, row half f / MTD
-            af[f % MTD][f / MTD + 2 * kp] = hv[j];
-          }
-        }
-      }
-      u32 bfr[N8][2];
-#pragma unroll
-      for (int j = 0; j + 1 < N8; j += 2) {
-        u32 r4[4];
-        ldmatrix_x4(r4, p_ld + j * 8 * PP + kk * 32);
-        bfr[j][0] = r4[0], bfr[j][1] = r4[1], bfr[j + 1][0] = r4[2], bfr[j + 1][1] = r4[3];
-      }
-      if (N8 & 1) ldmatrix_x2(bfr[N8 - 1][0], bfr[N8 - 1][1], p_ld + (N8 - 1) * 8 * PP + kk * 32);
-#pragma unroll
-      for (int t = 0; t < MTD; ++t)
-#pragma unroll
-        for (int j = 0; j < N8; ++j) mma16816(acc[t][j], af[t], bfr[j][0], bfr[j][1]);
-    }
-  }
-  cp_async_wait<0>();
-
-  // ---- epilogue: row sums over the quad and the warps; running max from warp 0
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      float l = l_r[mt][hf];
-      l += shfl_xor(l, 1);
-      l += shfl_xor(l, 2);
-      const int row = 16 * mt + g + 8 * hf;
-      if (c == 0) red_s[warp * R + row] = l;
-      if (warp == 0 && c == 0) m_s[row] = m_r[mt][hf];
-    }
-  __syncthreads();
-
-  store_rows<D, N8, R, BF16>(acc, red_s, m_s, rows, G, (i64)q_start + q_lo, h, Hq, split,
-                            num_splits, out, stride_o_tok, stride_o_head, part_acc, part_ml, warp,
-                            g, c);
-}
-
-// Merge the splits' partials: one CTA of 256 threads per (token, query head). The partials were
-// just written and sit in L2, so the cost is latency: the splits are spread over SG = 256 / (D/4)
-// thread groups (4 at D=256) that each walk S / SG of them with independent loads, and the groups'
-// sums are added in shared memory.
+// Merge the splits' partials below 32 splits (the launcher's rule; the first combine, ea506d7's):
+// one CTA of 256 threads per (token, query head). The partials were just written and sit in L2,
+// so the cost is latency: the splits are spread over SG = 256 / (D/4) thread groups (4 at D=256)
+// that each walk S / SG of them with independent loads, and the groups' sums are added in shared
+// memory. combine_w's lanes would idle at few splits (H200, drafter w=2048 T=8 b4: 30.8 vs 25.5 µs).
 template <int D, bool BF16>
 __global__ void __launch_bounds__(256) verify_attn_combine(
     unsigned short* __restrict__ out,     // [N, Hq, D]
@@ -669,8 +231,9 @@ __global__ void __launch_bounds__(256) verify_attn_combine(
     const float* __restrict__ part_ml,    // [N, Hq, S, 2]
     int num_splits, int Hq, int stride_o_tok, int stride_o_head) {
   using namespace va;
-  // Launched with programmatic dependent launch (HH_VERIFY_ATTENTION_PDL), this CTA may start
-  // while the split kernel still runs: wait for its completion (and its partials) first.
+  // Launched with programmatic dependent launch (after verify_attn_decode), this CTA may start
+  // while the split kernel still runs: wait for its completion (and its partials) first; without
+  // PDL this is a no-op.
   griddep_wait();
   constexpr int L = D / 4;        // threads per split group (4 dims each)
   constexpr int SG = 256 / L;     // split groups
@@ -774,12 +337,12 @@ DI void combine_row_chunks(const float* pa, const float2* ml, int num_splits, fl
   }
 }
 
-// Merge for the wgmma kernel, one CTA per (token, query head) row: the default from 32 splits
-// since session 5 (HH_VERIFY_ATTENTION_COMBINE=w selects combine_w below). Why: on the H200 the
+// Merge for the wgmma kernel, one CTA per (token, query head) row: the rule from 32 to 256 splits
+// since session 5 (combine_w below merges past 256). Why: on the H200 the
 // combine_w node costs ~10 µs over the split kernel alone at 100K b1, T=1 and T=8 alike (an empty
 // node: 1.3 µs), although it reads 1.6 / 12.6 MB; its lanes are splits 1 KB apart, so each of its
 // 16-byte loads is 32 lines (32 L1 wavefronts per instruction). Measured (H200, same run): 100K
-// T=8 b1 93.6 -> 89.8 µs, T=1 b1 unchanged (72.7: its node cost is not this kernel's work; NOTES.md).
+// T=8 b1 93.6 -> 89.8 µs, T=1 b1 unchanged (72.7: its node cost is not this kernel's work; HISTORY.md).
 // Here the 256 threads are SG = 1024 / D split groups of D / 4 threads, each thread one 16-byte
 // column of the row: every load is coalesced (a group reads a whole 1 KB partial row). All loads
 // of a chunk of U splits per group (the partial columns and their (max, sum)) are issued before
@@ -831,13 +394,12 @@ __global__ void __launch_bounds__(256, 2) verify_attn_combine_r(
   }
 }
 
-// Merge for the wgmma kernel, one CTA per (token, query head, DC-dim column block): the row
-// combine above with the row's D dims spread over D / DC CTAs (HH_VERIFY_ATTENTION_COMBINE=col,
-// opt-in). Why it was tried: at T=1 b1 the row combine is 24 CTAs on 24 of 132 SMs, each pulling
-// a whole row's partials (66 splits x 1 KB) through one SM; here 4x (DC = 64) or 8x (DC = 32) as
-// many SMs share the bytes. Measured (H200, session 5): no gain at 100K b1 (T=1 72.9 vs 72.9 µs,
-// T=8 91-93 vs 91.6): the row combine's own span is ~2 µs (its stamps: 1.9 at DC = D, 1.6 at
-// DC = 64), the rest of the ~9 µs node is not this kernel's work (NOTES.md).
+// Merge after verify_attn_decode (the rule from 32 to 256 splits; launched with PDL, DC = 64), one
+// CTA per (token, query head, DC-dim column block): the row combine above with the row's D dims
+// spread over D / DC CTAs. Why: at T=1 b1 the row combine is 24 CTAs on 24 of 132 SMs, each
+// pulling a whole row's partials (132 splits x 1 KB) through one SM; here 4x as many SMs share the
+// bytes: after the decode kernel, with PDL, 58.7 vs 61.1 µs (row + PDL) at 100K b1, 103.8 vs 106.2
+// at 200K b1 (H200, session 9). After the wgmma kernel it gained nothing (session 5).
 // Same arithmetic as the row combine (fp32, one L2 round trip for a chunk of U x SG splits, the
 // (max, sum) pairs once per CTA in shared memory); the groups' sums are added by a tree over the
 // SG = 1024 / DC split groups. DC = D is the row combine's grid. trace_on: thread 0 stores
@@ -906,12 +468,11 @@ __global__ void __launch_bounds__(256) verify_attn_combine_c(
 // Merge for the wgmma kernel: one warp per (token, query head, 8 output dims), lane = split
 // group. Why: verify_attn_combine walks the splits in a loop of dependent L2 round trips (~17 per
 // thread at 66 splits), and at T=1 it has only N x Hq = 24 CTAs: it cost ~12 µs of the 77 µs call
-// at 100K T=1 b1 (H200, NOTES.md). Here every lane issues all loads of its splits (up to 4 per
+// at 100K T=1 b1 (H200, session 4). Here every lane issues all loads of its splits (up to 4 per
 // batch: 32 bytes of acc + m, l each) before using any, so a call is ~one L2 round trip, and the
 // max, the sum and the accumulator are reduced with warp shuffles: no shared memory, no barrier.
-// PH: the partial rows are normalised fp16 (verify_attn_split_wg<..., PH = true>): one 16-byte
-// load per split and lane, weight w x l instead of w.
-template <int D, bool BF16, bool PH = false>
+// The rule past 256 splits (the row combine keeps every split's (max, sum) in shared memory).
+template <int D, bool BF16>
 __global__ void __launch_bounds__(128) verify_attn_combine_w(
     unsigned short* __restrict__ out,     // [N, Hq, D]
     const float* __restrict__ part_acc,   // [N, Hq, S, D]
@@ -940,17 +501,8 @@ __global__ void __launch_bounds__(128) verify_attn_combine_w(
       if (s < num_splits) {
         const float2 t = *reinterpret_cast<const float2*>(ml + 2 * s);
         m[i] = t.x, l[i] = t.y;
-        if constexpr (PH) {
-          const uint4 hv = *reinterpret_cast<const uint4*>(
-              reinterpret_cast<const unsigned short*>(part_acc) + ((i64)rowi * num_splits + s) * D + 8 * ch);
-          v[i][0] = make_float4(to_f32<false>(hv.x & 0xffffu), to_f32<false>(hv.x >> 16),
-                                to_f32<false>(hv.y & 0xffffu), to_f32<false>(hv.y >> 16));
-          v[i][1] = make_float4(to_f32<false>(hv.z & 0xffffu), to_f32<false>(hv.z >> 16),
-                                to_f32<false>(hv.w & 0xffffu), to_f32<false>(hv.w >> 16));
-        } else {
-          v[i][0] = *reinterpret_cast<const float4*>(pa + (i64)s * D);
-          v[i][1] = *reinterpret_cast<const float4*>(pa + (i64)s * D + 4);
-        }
+        v[i][0] = *reinterpret_cast<const float4*>(pa + (i64)s * D);
+        v[i][1] = *reinterpret_cast<const float4*>(pa + (i64)s * D + 4);
       }
     }
     float bm = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
@@ -965,9 +517,8 @@ __global__ void __launch_bounds__(128) verify_attn_combine_w(
     mmax = mn;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      float w = m[i] == NEG_INF ? 0.f : ex2(m[i] - mmax);
+      const float w = m[i] == NEG_INF ? 0.f : ex2(m[i] - mmax);
       den += w * l[i];
-      if constexpr (PH) w *= l[i];  // the row was stored divided by its sum
       const float vv[8] = {v[i][0].x, v[i][0].y, v[i][0].z, v[i][0].w,
                            v[i][1].x, v[i][1].y, v[i][1].z, v[i][1].w};
 #pragma unroll
@@ -993,12 +544,12 @@ __global__ void __launch_bounds__(128) verify_attn_combine_w(
 }
 
 // ---------------------------------------------------------------------------------------------
-// verify_attn_split_wg: the same split-KV kernel with both products on wgmma (sm_90a), A operand
-// from registers (the int8 -> fp16 conversion writes it directly), B operand from shared memory.
+// verify_attn_split_wg: the split kernel with both products on wgmma (sm_90a), A operand from
+// registers (the int8 -> fp16 conversion writes it directly), B operand from shared memory.
 //
-// Why: at 48 query rows the mma.sync kernel moves ~190 KB of shared memory per 64-key tile and
-// CTA, half of it Q re-read by each of the 4 warps (ldmatrix), and issues 192 mma.sync + 72
-// ldmatrix per warp per tile; at 8 warps per SM the latency is not hidden (ncu: "wait" stalls,
+// Why (1344eca, against ea506d7's mma.sync kernel): at 48 query rows the mma.sync kernel moved ~190 KB of shared memory per 64-key tile and
+// CTA, half of it Q re-read by each of the 4 warps (ldmatrix), and issued 192 mma.sync + 72
+// ldmatrix per warp per tile; at 8 warps per SM the latency was not hidden (ncu: "wait" stalls,
 // tensor pipe 32%). A wgmma m64nNk16 reads its B operand once for the whole warpgroup, so Q and P
 // are read from shared memory once per tile instead of four times, and 16 wgmma per product
 // replace the mma.sync / ldmatrix streams (no even/odd accumulator copy for S either).
@@ -1107,176 +658,18 @@ DI void wgmma_rs<6>(float (&d)[6][4], const u32 (&a)[4], u64 desc) {
 }
 }  // namespace va
 
-namespace va {
-// ---- Fused merge (verify_attn_split_wg with merge_group > 0): no second kernel node.
-// Why: at 100K T=1 b1 the split kernel alone ran 64.7 µs, the call with the combine launch 73.5-
-// 76.7 µs (H200, NOTES.md); the combine's own run is 1-2 µs of that, the rest is the graph's node
-// boundary. Here the splits of a unit (request, query tile, KV head) arrive at per-unit counters
-// after writing their partials, and the last arrivals merge: two levels, so no CTA reads all
-// splits' partials (at T=8 one split's partial is 48 rows x 1 KB). Splits are grouped by
-// merge_group = GS consecutive indices; the last CTA to arrive in a group merges the group's GS
-// partials into the group's first slot (still unnormalised, with its max and sum), then arrives
-// at the unit's top counter; the last of the NG = ceil(S / GS) group mergers merges the NG group
-// partials into out (NG = 1: the group merger writes out). Critical path: GS + NG partials, not S.
-// Each counter is reset by its last arrival, so the next launch (a CUDA-graph replay) starts at 0.
-// Measured (H200, 0deae12): slower than the combine kernel at every 100K size (T=1 b1 82 vs 74 µs,
-// T=8 b1 177 vs 107): the last CTA of a unit finished 13 µs (T=1) / 80 µs (T=8) after the last
-// main loop; three versions of merge_partials (register loads, cp.async staging, warp-parallel
-// weights) moved this by < 1 µs at T=1, so the time is not in the merge's arithmetic or its
-// load pattern. Opt-in only (HH_VERIFY_ATTENTION_FUSE=1; FUSE = true variant).
-// Session 5: merge_partials without run-time divisions (below): T=8 b1 176.8 -> 138.6 µs, T=1 b1
-// 78.0 vs split + combine 72.7 µs: still slower than the combine node, still opt-in.
-DI float2 ldcg2(const float* p) {
-  float2 v;
-  asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "l"(p));
-  return v;
-}
-
-// Merge the n partial slots s0 + j ss (j < n) of one unit's rows (row r: token tok0 + r / G, query
-// head h G + r % G). dst >= 0: the merged, unnormalised partial -> slot dst; dst < 0: the
-// normalised rows -> out. All 128 threads. Rows go in chunks that fit the shared scratch (the
-// free ring, Q and P). Per chunk, one memory round trip: the partials are staged with 16-byte
-// cp.async through L2 (they do not depend on the weights, so all are in flight at once) while
-// each warp takes a row's (max, sum) pairs with ld.cg, lane = split, and reduces them with
-// shuffles; then the sums come from shared memory, 8 splits per batch of loads.
-// Index arithmetic (session 5): ncu of the earlier version (session 3) found ~2.9K instructions
-// per warp and merge at T=1, mostly the signed divisions by the run-time n and G in the copy
-// loop and row_base; each merge level cost ~5 µs of dependent integer chains. Now every thread
-// keeps one 16-byte column d4 = tid % (D / 4) (a compile-time modulus), the row bases (partial
-// index and output offset) are computed once per chunk by one thread per row into shared memory,
-// and the loops walk rows -> splits with pointer increments: no division inside any loop.
-// Not inlined: inlined, a merge cost the 48-row kernel spills (ptxas 13.0).
-template <int D, bool BF16>
-__device__ __noinline__ void merge_partials(float* part_acc, float* part_ml, int num_splits, int s0,
-                                            int ss, int n, int dst, int rows, int G, i64 tok0, int h,
-                                            int Hq, unsigned short* out, int stride_o_tok,
-                                            int stride_o_head, unsigned char* scratch,
-                                            int scratch_bytes, int tid) {
-  constexpr int T = 128, C4 = D / 4, RP = T / C4, U = 8;  // float4 per row; rows (or splits) per pass
-  static_assert(T % C4 == 0, "one 16-byte column per thread");
-  const int warp = tid >> 5, lane = tid & 31;
-  const int d4 = tid % C4, sub = tid / C4;  // compile-time divisor: shift and mask
-  const u32 sa = smem_addr(scratch);
-  float* const sf = reinterpret_cast<float*>(scratch);
-  // Bytes per row: n partials (D fp32 + weight + sum), 1 / sum, two i64 bases (launcher: fits).
-  const int rpc = max(1, scratch_bytes / (n * (4 * D + 8) + 20));  // rows per chunk, once
-  for (int r0 = 0; r0 < rows; r0 += rpc) {
-    const int rc = min(rpc, rows - r0);
-    i64* const base_s = reinterpret_cast<i64*>(sf + rc * n * D);  // [rc]: partial index of split s0
-    i64* const obase_s = base_s + rc;                                // [rc]: out offset of the row
-    float* const w_s = reinterpret_cast<float*>(obase_s + rc);      // [rc][n]: max, then weight
-    float* const l_s = w_s + rc * n;                                 // [rc][n]: sum
-    float* const inv_s = l_s + rc * n;                               // [rc]: 1 / merged sum
-    if (tid < rc) {  // one division by G per row and chunk
-      const int rr = r0 + tid, t = rr / G, grp = rr - t * G;
-      base_s[tid] = ((tok0 + t) * Hq + h * G + grp) * num_splits + s0;
-      obase_s[tid] = (tok0 + t) * stride_o_tok + (i64)(h * G + grp) * stride_o_head;
-    }
-    __syncthreads();
-    // Copies: acc_s [rc][n][D]; this thread moves column d4 of splits j = sub, sub + RP, ...
-    {
-      const i64 step = (i64)RP * ss * D;  // floats between this thread's consecutive splits
-      for (int r = 0; r < rc; ++r) {
-        const float* src = part_acc + (base_s[r] + (i64)sub * ss) * D + 4 * d4;
-        u32 dsa = sa + 16 * ((r * n + sub) * C4 + d4);
-        for (int j = sub; j < n; j += RP, src += step, dsa += 16 * RP * C4)
-          cp_async16(dsa, reinterpret_cast<u64>(src), 16);
-      }
-    }
-    cp_async_commit();
-    for (int r = warp; r < rc; r += T / 32) {  // weights: warp per row, lane per split
-      const i64 base = base_s[r];
-      float mx = NEG_INF;
-      for (int j = lane; j < n; j += 32) {
-        const float2 ml = ldcg2(part_ml + 2 * (base + (i64)j * ss));
-        w_s[r * n + j] = ml.x, l_s[r * n + j] = ml.y;
-        mx = fmaxf(mx, ml.x);
-      }
-#pragma unroll
-      for (int o = 16; o; o >>= 1) mx = fmaxf(mx, shfl_xor(mx, o));
-      float den = 0.f;
-      for (int j = lane; j < n; j += 32) {  // this lane's own entries: no barrier needed
-        const float m = w_s[r * n + j];
-        const float w = m == NEG_INF ? 0.f : ex2(m - mx);  // -inf: no visible key in that slot
-        w_s[r * n + j] = w;
-        den += w * l_s[r * n + j];
-      }
-#pragma unroll
-      for (int o = 16; o; o >>= 1) den += shfl_xor(den, o);
-      if (lane == 0) {
-        if (dst >= 0) {
-          float* o = part_ml + 2 * (base - s0 + dst);
-          o[0] = mx, o[1] = den;
-        } else {
-          inv_s[r] = den > 0.f ? 1.f / den : 0.f;
-        }
-      }
-    }
-    cp_async_wait<0>();
-    __syncthreads();
-    for (int r = sub; r < rc; r += RP) {  // column d4 of rows sub, sub + RP, ...
-      float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-      const float* const wr = w_s + r * n;
-      const float* const ar = sf + r * n * D + 4 * d4;
-      for (int j0 = 0; j0 < n; j0 += U) {
-        float w[U];
-        float4 v[U];
-#pragma unroll
-        for (int k = 0; k < U; ++k) {
-          const int j = min(j0 + k, n - 1);
-          w[k] = j0 + k < n ? wr[j] : 0.f;
-          v[k] = *reinterpret_cast<const float4*>(ar + j * D);
-        }
-#pragma unroll
-        for (int k = 0; k < U; ++k)  // w = 0: skip (an empty split's partial may be garbage)
-          if (w[k] > 0.f) a.x += w[k] * v[k].x, a.y += w[k] * v[k].y, a.z += w[k] * v[k].z, a.w += w[k] * v[k].w;
-      }
-      if (dst >= 0) {
-        *reinterpret_cast<float4*>(part_acc + (base_s[r] - s0 + dst) * D + 4 * d4) = a;
-      } else {
-        const float inv = inv_s[r];
-        uint2 pk;
-        pk.x = pack_out<BF16>(a.x * inv, a.y * inv);
-        pk.y = pack_out<BF16>(a.z * inv, a.w * inv);
-        *reinterpret_cast<uint2*>(out + obase_s[r] + 4 * d4) = pk;
-      }
-    }
-    __syncthreads();  // the next chunk's copies overwrite the scratch
-  }
-}
-
-// Arrive at *ctr after this CTA's global writes; true for the last of `count` arrivals, which
-// resets the counter. Release / acquire as CUTLASS's semaphores: the barrier orders the CTA's
-// writes before thread 0's acq_rel atomic (one fence for the CTA, not one per thread), and the
-// last arrival's reads come after the atomic and the barrier. flag: a shared int; all threads.
-DI bool arrive_last(int* ctr, int count, int* flag, int tid) {
-  __syncthreads();
-  if (tid == 0) {
-    int old;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(ctr) : "memory");
-    const bool last = old == count - 1;
-    if (last) atomicExch(ctr, 0);
-    *flag = last;
-  }
-  __syncthreads();
-  return *flag != 0;
-}
-}  // namespace va
-
-// Template parameters as verify_attn_split's, minus MT (query rows <= 8 N8, padded to 8 N8);
-// DYN: tiles handed out by a per-unit counter (see "Dynamic tiles" below), else static splits.
-// FUSE: the fused merge (merge_partials) is compiled in; without it the kernel's code is 86a6d8f's.
-// PH: partial rows stored normalised (acc / l) in fp16 (part_acc is then a [N, Hq, S, D] fp16
-// buffer; (max, sum) stay fp32 in part_ml): half the partial bytes that the combine_w kernel
-// (verify_attn_combine_w<D, BF16, true>) reads back. Never with FUSE.
-template <int D, int N8, int STAGES, bool BF16, bool DYN, bool FUSE = false, bool PH = false>
+// Template parameters: D head size (128 or 256); N8 query n8 tiles (rows <= 8 N8, padded to 8 N8);
+// STAGES ring depth; BF16 q/out dtype (else fp16); DYN: tiles handed out by a per-unit counter
+// (see "Dynamic tiles" below; the launcher's rule at one n8 tile), else static splits.
+// trace_on: per-CTA %globaltimer stamps into trace_buf[CTA][0..7] (diag.py; off in every product
+// launch): 0 start, 1 first tile landed, 2 loop end, 3 end, 4 tiles, 5 SM id, 6 first copies
+// issued, 7 Q stored.
+template <int D, int N8, int STAGES, bool BF16, bool DYN>
 __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
     VA_SPLIT_ARGS,
     int* __restrict__ tile_ctr,            // DYN: [B, num_q_tiles, num_kv_heads], zero between calls
-    u64* __restrict__ trace_buf,           // [CTAs][8] %globaltimer stamps when trace_on (bench.py)
-    int trace_on,
-    int merge_group,                       // > 0: merge in this kernel, groups of this many splits
-    int* __restrict__ merge_ctr) {         // merge_group > 0: [units][NG + 1], zero between calls
+    u64* __restrict__ trace_buf,           // [CTAs][8] %globaltimer stamps when trace_on (diag.py)
+    int trace_on) {
 
   using namespace va;
   u64* const trace = trace_on ? trace_buf : nullptr;
@@ -1347,7 +740,8 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
   };
   if (DYN && tid == 0) grab = atomicAdd(ctr, 1);  // index of tile STAGES + 1
 
-  // ---- K/V tile loads: as in verify_attn_split (kb0 = the tile's first key, < n_end).
+  // ---- K/V tile loads (kb0 = the tile's first key, < n_end): 16-byte cp.async of each key's
+  // record window into the STAGES-deep ring, one tile ahead of its use.
   auto lookup = [&](int kb0, int& blk, int& slot) {
     const int key = kb0 + warp * 16 + (lane & 15);
     blk = -1, slot = 0;
@@ -1427,8 +821,8 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
   if (trace && tid == 0) trace[(blockIdx.y * gridDim.x + blockIdx.x) * 8 + 6] = globaltimer();
   lookup(next_kb, nblk, nslot);
 
-  // ---- Q -> shared memory, fp16, pre-scaled, d permuted within each 16-chunk as in
-  // verify_attn_split (physical d = 16 s + 4 cc + e -> logical k = 16 s + 2 cc + e, e < 2, or
+  // ---- Q -> shared memory, fp16, pre-scaled, d permuted within each 16-chunk to match the K
+  // words a thread reads (physical d = 16 s + 4 cc + e -> logical k = 16 s + 2 cc + e, e < 2, or
   // 16 s + 8 + 2 cc + e - 2), stored in the K-major core-matrix layout (raw[] loaded above).
   {
     const float qs = (float)qk_scale_d;
@@ -1561,7 +955,7 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
           }
       }
     }
-    // Lazy max (as in verify_attn_split): the running max moves only when a score exceeds it by
+    // Lazy max: the running max moves only when a score exceeds it by
     // more than 2^8. Each thread checks its own scores; a CTA-wide vote (the barrier that was
     // there anyway) skips the row-max exchange, alpha and the rescale on the tiles where no row
     // moves (all but the first few): the fast path computes exactly what the slow one would
@@ -1686,10 +1080,9 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
     }
   __syncthreads();
 
-  // The 86a6d8f epilogue as it was, not va::store_rows (which verify_attn_split uses): calling
-  // the helper here changed the 48-row kernel's main loop (ptxas 13.0: a parameter reloaded per
-  // tile, other register moves) and the H200 run of a164f83..0deae12 timed T=8 2-3% slower than
-  // 86a6d8f; inline, this loop's SASS is 86a6d8f's opcode for opcode (NOTES.md).
+  // The 86a6d8f epilogue, written out: calling a shared store helper here changed the 48-row
+  // kernel's main loop (ptxas 13.0: a parameter reloaded per tile, other register moves) and the
+  // H200 run of a164f83..0deae12 timed T=8 2-3% slower than 86a6d8f (HISTORY.md).
 #pragma unroll
   for (int j = 0; j < N8; ++j)
 #pragma unroll
@@ -1720,21 +1113,15 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
         }
       } else {
         const i64 pr = (tok * Hq + hq) * num_splits + split;
-        if constexpr (PH) {  // normalised fp16 row: |acc / l| <= max |V|, no overflow
-          const float inv = l > 0.f ? 1.f / l : 0.f;
-          unsigned short* ph = reinterpret_cast<unsigned short*>(part_acc) + pr * D + warp * DW + 4 * g;
-          store_norm_row<false, WV>(ph, acc, j, e, inv);  // fp16
-        } else {
-          float* pa = part_acc + pr * D + warp * DW + 4 * g;
+        float* pa = part_acc + pr * D + warp * DW + 4 * g;
 #pragma unroll
-          for (int wd = 0; wd < WV; ++wd) {
-            float4 v;
-            v.x = acc[(4 * wd + 0) % MTD][j][2 * ((4 * wd + 0) / MTD) + e];
-            v.y = acc[(4 * wd + 1) % MTD][j][2 * ((4 * wd + 1) / MTD) + e];
-            v.z = acc[(4 * wd + 2) % MTD][j][2 * ((4 * wd + 2) / MTD) + e];
-            v.w = acc[(4 * wd + 3) % MTD][j][2 * ((4 * wd + 3) / MTD) + e];
-            *reinterpret_cast<float4*>(pa + 32 * wd) = v;
-          }
+        for (int wd = 0; wd < WV; ++wd) {
+          float4 v;
+          v.x = acc[(4 * wd + 0) % MTD][j][2 * ((4 * wd + 0) / MTD) + e];
+          v.y = acc[(4 * wd + 1) % MTD][j][2 * ((4 * wd + 1) / MTD) + e];
+          v.z = acc[(4 * wd + 2) % MTD][j][2 * ((4 * wd + 2) / MTD) + e];
+          v.w = acc[(4 * wd + 3) % MTD][j][2 * ((4 * wd + 3) / MTD) + e];
+          *reinterpret_cast<float4*>(pa + 32 * wd) = v;
         }
         if (warp == 0 && g == 0) {
           part_ml[pr * 2] = m_s[row];
@@ -1742,23 +1129,6 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
         }
       }
     }
-  if constexpr (FUSE) if (merge_group > 0 && num_splits > 1) {  // fused merge (merge_partials)
-    const int ng = (num_splits + merge_group - 1) / merge_group;
-    // From blockIdx again (not kept live across the main loop: at 48 rows every register counts).
-    const int upr = num_q_tiles * num_kv_heads;  // units per request; blockIdx.x = split * upr + unit
-    const int gi = (int)(blockIdx.x / upr) / merge_group, s0 = gi * merge_group;
-    int* const uc = merge_ctr + ((i64)blockIdx.y * upr + blockIdx.x % upr) * (ng + 1);
-    constexpr int SCRATCH = STAGES * BN * RP + R * 2 * D + R * 2 * BN;  // ring, Q, P: free now
-    const i64 tok0 = (i64)q_start + q_lo;
-    const int gsize = min(merge_group, num_splits - s0);
-    if (arrive_last(uc + gi, gsize, idx_s, tid)) {  // last of its group: merge the group
-      merge_partials<D, BF16>(part_acc, part_ml, num_splits, s0, 1, gsize, ng > 1 ? s0 : -1, rows,
-                              G, tok0, h, Hq, out, stride_o_tok, stride_o_head, wsmem, SCRATCH, tid);
-      if (ng > 1 && arrive_last(uc + ng, ng, idx_s + 1, tid))  // last group: merge the groups
-        merge_partials<D, BF16>(part_acc, part_ml, num_splits, 0, merge_group, ng, -1, rows, G,
-                                tok0, h, Hq, out, stride_o_tok, stride_o_head, wsmem, SCRATCH, tid);
-    }
-  }
   if (tr && tid == 0) tr[3] = globaltimer();
 }
 
@@ -1773,9 +1143,10 @@ __global__ void __launch_bounds__(VA_THREADS, 2) verify_attn_split_wg(
 // Why: at T=1 the wgmma kernel's split kernel alone takes ~63 µs at 100K b1 (~78% of copy), as
 // does its read-only probe, while a read-only probe of exactly this shape (one CTA per SM, TMA
 // copies of whole page slices, a 6-deep ring of 33 KB) read the same bytes in 52 µs (94.7%,
-// ceiling_stream.py). Three earlier versions of this kernel without the copy engine (fragments
-// loaded into registers; per-warp cp.async rings, one head per CTA; the same with every head in
-// one CTA) took 97.6 / 63.2 / 70.0 µs for the split kernel (H200, NOTES.md).
+// session 5's ceiling_stream probe, e2d4049). Three earlier versions of this kernel without the
+// copy engine (fragments loaded into registers; per-warp cp.async rings, one head per CTA; the
+// same with every head in one CTA) took 97.6 / 63.2 / 70.0 µs for the split kernel (H200,
+// HISTORY.md, session 8).
 // * Chunks: absolute 16-key blocks (page sizes are multiples of 16, so a chunk is one page's
 //   slice); the CTA of split s takes chunks s + j num_splits (j < STAGES), then batches of 4 from
 //   a per-request counter and single chunks at the tail, so all CTAs sweep the context together
@@ -1812,12 +1183,11 @@ DI u32 movmatrix_t(u32 a) {
 // the mbarriers full[STAGES], empty[STAGES], the stages' chunk indices [STAGES]. After the loop
 // the first region holds the consumer warps' (max, sum) [8][8][2] and accumulators [8][8][D] for
 // the merge of each head's warps. (A switch copying one contiguous chunk range per CTA, as the
-// probe does, measured no faster: b481143, NOTES.md.)
-// MODE 0: partials for the combine kernel; 2, 3, 4: read-only probes (the consumers wait for and
-// release each chunk without computing; timing only): 2 with the Q prologue and the merge
-// epilogue, 3 with neither, 4 with the Q prologue only. (MODE 1, a merge inside the kernel after
-// a per-request arrival counter, measured no faster than the combine kernel: 4131fb8, NOTES.md.)
-template <int D, int STAGES, int HKV, bool BF16, int MODE>
+// probe does, measured no faster: b481143. A merge inside the kernel after a per-request arrival
+// counter measured no faster than the combine kernel: 4131fb8, removed in b109856. Read-only
+// probe modes (the consumers released each chunk unread) were removed with the diagnosis tools
+// that used them; they stay at 980f645.)
+template <int D, int STAGES, int HKV, bool BF16>
 __global__ void __launch_bounds__(288, 1) verify_attn_decode(
     VA_SPLIT_ARGS,
     int* __restrict__ tile_ctr,           // [B] chunk-batch counters, zero between launches
@@ -1910,7 +1280,7 @@ __global__ void __launch_bounds__(288, 1) verify_attn_decode(
     };
     // Grabs 0 .. n4 - 1 take 4 chunks each, the next ones single chunks (the last ~2 per CTA):
     // a batch of 4 is ~4 µs of one SM's share of the stream at 100K b1, so with batches only the
-    // CTAs' ends spread over ~4 µs (H200 stamps, NOTES.md); single chunks at the tail end them
+    // CTAs' ends spread over ~4 µs (H200 stamps, session 9); single chunks at the tail end them
     // within about one chunk. Every grab below `ok` is whole; each CTA ends on one failing grab.
     int* const ctr = tile_ctr + b;
     const int first_dyn = STAGES * num_splits;
@@ -1936,7 +1306,7 @@ __global__ void __launch_bounds__(288, 1) verify_attn_decode(
   } else {
   // ---- consumers: Q^T fragments -> shared memory (fp16, pre-scaled, dims permuted as the K
   // reads are), then a barrier of the 8 consumer warps only (named barrier 1).
-  if (MODE != 3) {  // MODE 3 (probe): no Q
+  {
     // Every load first, then the conversions: one memory round trip per thread, not QE dependent
     // ones (the loop's stores kept the compiler from hoisting them; each trip queues behind the
     // producer's first ring of bulk copies).
@@ -1987,11 +1357,6 @@ __global__ void __launch_bounds__(288, 1) verify_attn_decode(
       mbar_wait(full0 + 8 * st, (k / STAGES) & 1);
       const int ci = idx_s[st];
       if (ci < 0) break;  // the producer's sentinel
-      if (MODE >= 2) {  // probe: release the chunk unread
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + 8 * st);
-        continue;
-      }
       const u32 rec0 = ring0 + st * STAGE + h * REC;  // key kk's record: rec0 + kk * SLOTB
       const int kb = (c_lo + ci) << 4;
 
@@ -2068,7 +1433,6 @@ __global__ void __launch_bounds__(288, 1) verify_attn_decode(
   // The combine kernel, when launched with programmatic dependent launch, may start its CTAs
   // from here on (it waits for this grid's completion and memory before reading the partials).
   griddep_launch_dependents();
-  if (MODE >= 3) return;  // probes 3 / 4: no merge, no partials
   __syncthreads();  // every chunk copied was consumed: the merge scratch overlays the ring
   if (tr && tid == 0) tr[2] = globaltimer(), tr[4] = smid();
 
