@@ -11,22 +11,20 @@ more vectors before each row (the halo, L1 hits on the neighbours' lines) make h
 for every j, so the run length is an AND chain of compares (about two instructions per position
 and j) instead of a gather per j.  The whole tile, halo included, is loaded before seq_lens is
 known (its address does not depend on the length), so every load of a program is in flight at once
-and the program pays the DRAM latency once.  Tiles without a single last-token hit (quoting
-histories: almost all) stop after one compare per position.
+and the program pays the DRAM latency once.  Tiles without a single hit (quoting histories: almost
+all) stop after the hit test.
 
-Programs fold their tile maxima into a per-request int32 with a relaxed ``atomic_max``; the last
-program of a request (an acq_rel ``atomic_add`` ticket, which also orders the max) reads the result,
-resets the two words and gathers the draft, so one graph-capturable launch does the whole lookup.
-POLL=1 (the default up to 256 programs per request, config.c12 / c19) folds without a ticket: each
-program but the last writes its maximum into its own slot and the last polls the slots (_poll_slots).
-WORDS=1 (config.c19) folds the draft with the max and counts the matches in the ticket, so the last
-program reads at most one line after its ticket (_fold_words); DIRECT=1 on top (the default with
-tickets, config.c20) folds into the outputs themselves and the last program masks the scores off
-with REDs, reading nothing after its ticket (_fold_direct).
-The workspace is the caller's int64 [workspace_numel(B)] zeros, used as int32 words (SPREAD: one
-128-byte line per request; then the POLL slots).  Past the program cap a program loops over
+The fold (one graph-capturable launch does the whole lookup): up to ``Launch.poll_max_p`` programs
+per request (POLL), each program but the last writes its maximum into its own workspace slot and
+the last polls the slots (_poll_slots).  Above, programs take a ticket on their request's line
+(acquire; release only from a program with a match) and the last arrival finishes: with WORDS the
+draft rides with the max and the ticket counts the matches (_fold_words), with DIRECT on top the
+matches fold into the outputs themselves and the last arrival masks the scores off, reading
+nothing after its ticket (_fold_direct); without either (k > 8) it reads the max word and the
+draft.  The workspace is the caller's int64 [workspace_numel(B)] zeros, used as int32 words (one
+128-byte line per request, then the POLL slots).  Past the program cap a program loops over
 further tiles (loaded after the length is known); COVER compiles that loop out where the grid
-covers the buffer.
+covers the buffer.  The launcher's rule (config.py) picks the tile and the paths by B * S.
 """
 
 from __future__ import annotations
@@ -35,25 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lookup_scan.config import (  # noqa: F401 (re-exported: tests and tools import them from here)
-    CANDIDATES,
-    CONFIG_LARGE,
-    DEFAULT,
-    FAST,
-    RULE,
-    Config,
-    block_tokens,
-    candidate,
-    default_config,
-    default_opts,
-    tier_candidate,
-    workspace_numel,
-)
+from kernels.lookup_scan.config import Launch, block_tokens, default_launch, workspace_numel
 
 # Packed score: m << POS_BITS | e + 1, m <= 31, so histories must be shorter than 2**POS_BITS.
 POS_BITS = 26
-# The compiled kernel of the last launch (prof.py prints its registers).
-LAST_KERNEL: list = [None]
 
 
 @triton.jit
@@ -83,14 +66,13 @@ def _load_tile(p_h, base, S, ROWS: tl.constexpr, NV: tl.constexpr, HV: tl.conste
 
 @triton.jit
 def _tile_scores(cols, s, row0, L, EDGE: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr,
-                 MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr, FAST: tl.constexpr):
+                 MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr, ROWKEY: tl.constexpr):
     """Per-row max of m << POS_BITS | e + 1 over the row's end positions, m = 0 where the first
     MIN_N compares fail (so the max is a real match iff its m >= MIN_N).  EDGE: the tile holds
     positions < MAX_N - 1 or > L - 2 (clamp m to e + 1, zero it past L - 2); interior tiles skip
-    both, leaving about two instructions per position and j."""
-    H: tl.constexpr = 4 * HV
-    if FAST:
-        acc = _tile_scores_fast(cols, s, row0, L, EDGE, NV, HV, MIN_N, MAX_N, POS_BITS, FAST)
+    both, leaving about two instructions per position and j.  ROWKEY: _tile_scores_rowkey."""
+    if ROWKEY:
+        acc = _tile_scores_rowkey(cols, s, row0, L, EDGE, NV, HV, MIN_N, MAX_N, POS_BITS)
     else:
         acc = _tile_scores_slow(cols, s, row0, L, EDGE, NV, HV, MIN_N, MAX_N, POS_BITS)
     return acc
@@ -119,15 +101,17 @@ def _tile_scores_slow(cols, s, row0, L, EDGE: tl.constexpr, NV: tl.constexpr, HV
 
 
 @triton.jit
-def _tile_scores_fast(cols, s, row0, L, EDGE: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr,
-                      MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr, FAST: tl.constexpr):
+def _tile_scores_rowkey(cols, s, row0, L, EDGE: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr,
+                        MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr):
     """_tile_scores with a row-local key: within a row the end positions are row0 + c, so the row's
     best is the max of (m, c) and the packed score is built once per row, not per position.
-    MIN_N == MAX_N: m is MIN_N or nothing, so the key is the last matching column (one select per
-    position); else (m << 5 | c + 1), 4 * NV <= 16 columns (one shift-add and one max)."""
+    MIN_N == MAX_N: m is MIN_N or nothing, so the key is the last matching column, each position
+    tested with XOR-ORs; else (m << 5 | c + 1), 4 * NV <= 16 columns (one shift-add and one max).
+    (HISTORY.md's "FAST 2"; FAST 1, the same keys with a compare chain at MIN_N == MAX_N, lost in
+    session 4's candidates and sweep 2 and was removed in issue 22.)"""
     H: tl.constexpr = 4 * HV
     acc = tl.zeros_like(row0)  # key per row; 0 = no position
-    if (FAST == 2) & (MIN_N == MAX_N):
+    if MIN_N == MAX_N:
         # XOR-OR form: d == 0 iff all MIN_N tokens equal; ptxas fuses each (x ^ y) | d into one LOP3,
         # so a position costs MIN_N LOP3 + one compare-select, with no predicate chains to spill.
         for c in tl.static_range(4 * NV):
@@ -144,44 +128,32 @@ def _tile_scores_fast(cols, s, row0, L, EDGE: tl.constexpr, NV: tl.constexpr, HV
         a = cols[H + c] == s[0]
         for j in tl.static_range(1, MIN_N):
             a = a & (cols[H + c - j] == s[j])
-        if MIN_N == MAX_N:
-            if EDGE:
-                # a match needs e + 1 >= n tokens (h[e-j] < 0 was read as 0) and e <= L - 2
-                e = row0 + c
-                a = a & (e <= L - 2) & (e >= MIN_N - 1)
-            acc = tl.where(a, c + 1, acc)  # columns ascend: the last match is the most recent
-        else:
-            m = tl.where(a, MIN_N, 0)
-            for j in tl.static_range(MIN_N, MAX_N):
-                a = a & (cols[H + c - j] == s[j])
-                m += a.to(tl.int32)
-            if EDGE:
-                e = row0 + c
-                m = tl.where(e <= L - 2, tl.minimum(m, e + 1), 0)
-            acc = tl.maximum(acc, (m << 5) | (c + 1))
-    if MIN_N == MAX_N:
-        acc = tl.where(acc > 0, (MIN_N << POS_BITS) | (row0 + acc), 0)
-    else:
-        acc = ((acc >> 5) << POS_BITS) | (row0 + (acc & 31))
-    return acc
+        m = tl.where(a, MIN_N, 0)
+        for j in tl.static_range(MIN_N, MAX_N):
+            a = a & (cols[H + c - j] == s[j])
+            m += a.to(tl.int32)
+        if EDGE:
+            e = row0 + c
+            m = tl.where(e <= L - 2, tl.minimum(m, e + 1), 0)
+        acc = tl.maximum(acc, (m << 5) | (c + 1))
+    return ((acc >> 5) << POS_BITS) | (row0 + (acc & 31))
 
 
 @triton.jit
 def _tile_best(cols, s, base, L, active, ROWS: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr,
-               MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr, FAST: tl.constexpr,
-               EDGE_ONLY: tl.constexpr, HIT: tl.constexpr):
+               MIN_N: tl.constexpr, MAX_N: tl.constexpr, POS_BITS: tl.constexpr, ROWKEY: tl.constexpr,
+               HIT_N: tl.constexpr):
     """Best packed score over the tile's end positions (0 if none or not active); s = (h[L-1],
     h[L-2], ...).  The hit test reads the tile unconditionally, so the compiler cannot sink the
     tile's loads below the length's (one DRAM trip for both, see lookup_scan_kernel).
-    HIT: the tile's last-token hit test; 0 = OR of compares (LLVM packs the 4*NV predicates into a
-    bitmask: ~60 instructions at NV=4), 1 = min of XORs (tokens are >= 0, so min == 0 iff some
-    column equals h[L-1]: two instructions per column), 2 = none (every active tile is scored:
-    a vocab-8 history hits in every tile anyway), 3 = the first MIN_N tokens, not just the last
-    (MIN_N XOR-ORs per column; the halo's zeros and the suffix's own end can pass it, which only
-    costs a scoring run)."""
+    The tile's hit test: HIT_N = the first MIN_N tokens, not just the last (MIN_N XOR-ORs per
+    column; the halo's zeros and the suffix's own end can pass it, which only costs a scoring run;
+    HISTORY.md's "HIT 3"); else an OR of compares with the last token (LLVM packs the 4*NV
+    predicates into a bitmask: ~60 instructions at NV=4).  A min of XORs (HIT 1) and no test
+    (HIT 2) lost in session 4's sweep 2 and were removed in issue 22."""
     H: tl.constexpr = 4 * HV
     BLOCK: tl.constexpr = ROWS * 4 * NV
-    if HIT == 3:
+    if HIT_N:
         # the first MIN_N tokens (XOR-OR, one LOP3 each): a vocab-8 history passes this in ~8**-MIN_N
         # of its positions instead of 1/8, so the scoring (the extension to MAX_N) rarely runs
         x = cols[H] ^ s[0]
@@ -193,13 +165,6 @@ def _tile_best(cols, s, base, L, active, ROWS: tl.constexpr, NV: tl.constexpr, H
                 d = d | (cols[H + c - j] ^ s[j])
             x = tl.minimum(x, d)
         hit_any = (tl.min(x) == 0) & active
-    elif HIT == 2:
-        hit_any = active
-    elif HIT == 1:
-        x = cols[H] ^ s[0]
-        for c in tl.static_range(1, 4 * NV):
-            x = tl.minimum(x, cols[H + c] ^ s[0])
-        hit_any = (tl.min(x) == 0) & active
     else:
         hit = cols[H] == s[0]
         for c in tl.static_range(1, 4 * NV):
@@ -208,19 +173,17 @@ def _tile_best(cols, s, base, L, active, ROWS: tl.constexpr, NV: tl.constexpr, H
     best = tl.zeros((), dtype=tl.int32)
     if hit_any:  # quoting histories: almost every tile stops here
         row0 = base + tl.arange(0, ROWS) * (4 * NV)
-        if EDGE_ONLY:  # one copy of the scoring (the edge one, right for every tile): smaller code
-            best = tl.max(_tile_scores(cols, s, row0, L, True, NV, HV, MIN_N, MAX_N, POS_BITS, FAST))
-        elif (base >= MAX_N) & (base + BLOCK <= L - 1):
-            best = tl.max(_tile_scores(cols, s, row0, L, False, NV, HV, MIN_N, MAX_N, POS_BITS, FAST))
+        if (base >= MAX_N) & (base + BLOCK <= L - 1):
+            best = tl.max(_tile_scores(cols, s, row0, L, False, NV, HV, MIN_N, MAX_N, POS_BITS, ROWKEY))
         else:
-            best = tl.max(_tile_scores(cols, s, row0, L, True, NV, HV, MIN_N, MAX_N, POS_BITS, FAST))
+            best = tl.max(_tile_scores(cols, s, row0, L, True, NV, HV, MIN_N, MAX_N, POS_BITS, ROWKEY))
         best = tl.where((best >> POS_BITS) >= MIN_N, best, 0)
     return best
 
 
 @triton.jit
 def _stamp(dep):
-    """%globaltimer (ns), read once `dep` is available (STAMPS=1 diagnostics, prof.py --stamps)."""
+    """%globaltimer (ns), read once `dep` is available (STAMPS=1 diagnostics, diag.py --stamps)."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64,
                                      is_pure=False, pack=1)
 
@@ -231,26 +194,20 @@ def lookup_scan_kernel(
     S, P, B,
     MIN_N: tl.constexpr, MAX_N: tl.constexpr, K_DRAFT: tl.constexpr, KP: tl.constexpr,
     ROWS: tl.constexpr, NV: tl.constexpr, HV: tl.constexpr, HAS_REQ_IDX: tl.constexpr,
-    POS_BITS: tl.constexpr, FENCE: tl.constexpr, ORDER: tl.constexpr,
-    FAST: tl.constexpr = 0, FOLD: tl.constexpr = 1, SUFFIX_AT_S: tl.constexpr = 0,
-    SPREAD: tl.constexpr = 0, COVER: tl.constexpr = 0, EDGE_ONLY: tl.constexpr = 0, TICKETS: tl.constexpr = 0,
-    HIT: tl.constexpr = 0, STAMPS: tl.constexpr = 0, POLL: tl.constexpr = 0, PP: tl.constexpr = 1,
-    WORDS: tl.constexpr = 0, DIRECT: tl.constexpr = 0, NV_BITS: tl.constexpr = 4,
+    POS_BITS: tl.constexpr, NV_BITS: tl.constexpr, ORDER: tl.constexpr, ROWKEY: tl.constexpr,
+    HIT_N: tl.constexpr, COVER: tl.constexpr, POLL: tl.constexpr, PP: tl.constexpr, WORDS: tl.constexpr,
+    DIRECT: tl.constexpr, STAMPS: tl.constexpr,
 ):
     BLOCK: tl.constexpr = ROWS * 4 * NV
     i_p, i_b = tl.program_id(0), tl.program_id(1)
     p_st = stamps + (i_b * P + i_p) * 8  # STAMPS only (unused otherwise)
     if STAMPS:  # timing only: int64 [B, P, 8] ns stamps (entry, length, scan done, ticket, max, draft)
         t_entry = _stamp(i_p)
-    # The request's two int32 words: SPREAD=0 packs every request's max in ws[0:B] and its ticket
-    # in ws[B:2B] (all of a batch's tickets on one line: at 256K B8, 1024 atomics on one 64-byte
-    # line); SPREAD=1 gives each request its own 128-byte line, max and ticket in different halves.
-    if SPREAD:
-        w_max = ws + i_b * 32  # int32 words: 128 bytes per request (workspace_numel)
-        w_tk = w_max + 16
-    else:
-        w_max = ws + i_b
-        w_tk = ws + B + i_b
+    # The request's own 128-byte line of the workspace (workspace_numel): the max (or WORDS's draft
+    # words) in its first half, the ticket in its second (one line for all requests' words put
+    # 1024 atomics on one 64-byte line at 256K B8: c1 beat it, HISTORY.md).
+    w_max = ws + i_b * 32  # int32 words
+    w_tk = w_max + 16
     row = tl.load(req_idx + i_b).to(tl.int64) if HAS_REQ_IDX else i_b.to(tl.int64)
     p_h = tokens + row * s_tok
     # The first tile (halo included) is loaded before the length is known: one DRAM trip for both.
@@ -268,27 +225,20 @@ def lookup_scan_kernel(
     n_act = tl.maximum(tl.minimum(n_tiles, P), 1)
     s = ()
     for j in tl.static_range(MAX_N):  # the suffix, last token first; all loads in flight at once
-        if SUFFIX_AT_S:  # timing only (opts): the suffix at the buffer's end, not waiting for L
-            s = s + (tl.load(p_h + S - 1 - j),)
-        else:
-            s = s + (tl.load(p_h + L - 1 - j, mask=L - 1 - j >= 0, other=0),)
+        s = s + (tl.load(p_h + L - 1 - j, mask=L - 1 - j >= 0, other=0),)
     # Not inside `if i_p < n_act`: the compiler would sink the tile's loads into the branch, after
     # the length's load (two DRAM trips; seen in the sm_90 SASS).
-    best = _tile_best(cols, s, i_p * BLOCK, L, i_p < n_act, ROWS, NV, HV, MIN_N, MAX_N, POS_BITS, FAST,
-                      EDGE_ONLY, HIT)
+    best = _tile_best(cols, s, i_p * BLOCK, L, i_p < n_act, ROWS, NV, HV, MIN_N, MAX_N, POS_BITS, ROWKEY, HIT_N)
     if not COVER:  # COVER: the grid covers the buffer (P * BLOCK >= S - 1), the loop never runs
         for t in range(i_p + P, n_tiles, P):  # only past the program cap (never for idle programs)
             cols_t = _load_tile(p_h, t * BLOCK, S, ROWS, NV, HV)
             best = tl.maximum(best, _tile_best(cols_t, s, t * BLOCK, L, True, ROWS, NV, HV, MIN_N, MAX_N,
-                                               POS_BITS, FAST, EDGE_ONLY, HIT))
+                                               POS_BITS, ROWKEY, HIT_N))
     if STAMPS:
         tl.store(p_st, t_entry)
         tl.store(p_st + 1, t_len)
         tl.store(p_st + 2, _stamp(best))
-    if FOLD == 0:  # timing only (opts): no fold, no draft; the store keeps the scan alive
-        if best < 0:
-            tl.store(w_max, best)
-    elif POLL:
+    if POLL:
         if i_p < n_act:
             # Per-program slots after the B lines: ws[32 B + i_b P + i_p] = best + 1 (0 = not yet).
             w_sl = ws + 32 * B + i_b * P
@@ -304,65 +254,25 @@ def lookup_scan_kernel(
                 # has to be ordered before it.
                 tl.atomic_max(w_sl + i_p, best + 1, sem="relaxed")
     elif i_p < n_act:
-        # TICKETS > 0: two-level tickets (timing variant): program i_p counts on group word
-        # i_p % TICKETS of the request's line and the last of each group takes the request's
-        # ticket, so no word sees more than cdiv(n_act, TICKETS) + TICKETS atomics.
-        w_t1 = w_tk
-        if TICKETS:
-            w_t1 = w_tk + 1 + i_p % TICKETS
-        if FENCE == 4:
-            # Every ticket acquires (ATOM + L1 invalidate, no MEMBAR); only a program that wrote a
-            # max also releases (acq_rel: MEMBAR first).  Whoever draws the last ticket has read
-            # the end of every release sequence, so it needs no fence of its own: the last
-            # program of a quoting history pays no MEMBAR (FENCE 1's finisher pays one, ~0.3 µs
-            # by FENCE 0's measurement).
-            if DIRECT:
-                ticket = _fold_direct(w_t1, best, p_h, L, s[0], drafts, num_valid, i_b, K_DRAFT, KP, POS_BITS, NV_BITS)
-            elif WORDS:
-                ticket = _fold_words(w_max, w_t1, best, p_h, L, K_DRAFT, KP, POS_BITS)
-            elif best > 0:
-                tl.atomic_max(w_max, best, sem="relaxed")
-                ticket = tl.atomic_add(w_t1, 1, sem="acq_rel")
-            else:
-                ticket = tl.atomic_add(w_t1, 1, sem="acquire")
-        elif FENCE == 3:
-            # Release only where there is something to publish: a program that wrote a max
-            # releases it with its ticket (fence + atom); the others (quoting histories: almost
-            # all) take a relaxed ticket, no fence.  Relaxed RMWs continue the release sequence
-            # of every earlier ticket, so the finisher's acquire below synchronizes with each
-            # releasing program (PTX memory model, release patterns / release sequences).
-            if best > 0:
-                tl.atomic_max(w_max, best, sem="relaxed")
-                ticket = tl.atomic_add(w_t1, 1, sem="release")
-            else:
-                ticket = tl.atomic_add(w_t1, 1, sem="relaxed")
-        elif FENCE:
-            if best > 0:  # most programs of a quoting history find nothing: spare the contended word
-                tl.atomic_max(w_max, best, sem="relaxed")
-            ticket = tl.atomic_add(w_t1, 1, sem="acq_rel")  # release orders the max above
+        # Tickets: every ticket acquires (ATOM + L1 invalidate, no MEMBAR); only a program that
+        # wrote a max (or folded words) also releases (acq_rel: MEMBAR first).  Whoever draws the
+        # last ticket has read the end of every release sequence, so it needs no fence of its own:
+        # the last program of a quoting history pays no MEMBAR (HISTORY.md's FENCE 4; FENCE 1,
+        # every ticket acq_rel, cost that finisher ~0.3 µs).
+        if DIRECT:
+            ticket = _fold_direct(w_tk, best, p_h, L, s[0], drafts, num_valid, i_b, K_DRAFT, KP, POS_BITS, NV_BITS)
+        elif WORDS:
+            ticket = _fold_words(w_max, w_tk, best, p_h, L, K_DRAFT, KP, POS_BITS)
+        elif best > 0:
+            tl.atomic_max(w_max, best, sem="relaxed")
+            ticket = tl.atomic_add(w_tk, 1, sem="acq_rel")
         else:
-            # No fence (MEMBAR.GPU + L1 invalidate): the max returns once it is performed at L2 and
-            # the ticket's operand depends on its result, so the ticket is issued after it; the
-            # finisher's volatile load goes to L2.  Hardware order, not the PTX model's (NOTES.md).
-            dep = best * 0
-            if best > 0:
-                dep = tl.atomic_max(w_max, best, sem="relaxed") >> 31  # 0: scores are >= 0
-            ticket = tl.atomic_add(w_t1, 1 + dep, sem="relaxed")
-        n_fin = n_act
-        if TICKETS:
-            tl.static_assert((SPREAD == 1) & (TICKETS <= 15) & ((FENCE == 1) | (FENCE == 4)), "TICKETS: SPREAD, FENCE 1/4")
-            done = ticket == (n_act - 1 - i_p % TICKETS) // TICKETS  # the group's last member
-            ticket = ticket * 0 - 1
-            if done:
-                tl.store(w_t1, 0)  # no other program touches the group word again in this launch
-                # acq_rel: it acquired every member's release on the group word; passes them on
-                ticket = tl.atomic_add(w_tk, 1, sem="acq_rel")
-            n_fin = tl.minimum(n_act, TICKETS)
+            ticket = tl.atomic_add(w_tk, 1, sem="acquire")
         if STAMPS:
             tl.store(p_st + 3, _stamp(ticket))
         if WORDS:
-            tl.static_assert((FENCE == 4) & (SPREAD == 1) & (TICKETS == 0) & (KP <= 8), "WORDS: FENCE 4, SPREAD, k <= 8")
-            if (ticket & 0xFFFF) == n_fin - 1:
+            tl.static_assert(KP <= 8, "WORDS: k <= 8")
+            if (ticket & 0xFFFF) == n_act - 1:
                 # matches before this program's ticket (bits 16-31 of what it read) and its own
                 n_match = (ticket >> 16) + (best > 0).to(tl.int32)
                 if DIRECT:
@@ -370,16 +280,10 @@ def lookup_scan_kernel(
                 else:
                     _finish_words(w_max, w_tk, n_match, L, s, drafts, num_valid, i_b, p_st, K_DRAFT, KP, POS_BITS,
                                   STAMPS)
-        elif ticket == n_fin - 1:
+        elif ticket == n_act - 1:
             # Last program of the request: every max is visible (acquire); plain loads/stores
             # suffice, no other program touches the two words again in this launch.
-            if FENCE == 3:
-                # acquire as an RMW of 0 on the ticket word (reads the end of every release
-                # sequence; ptxas emits an acquire load: LDG.STRONG.GPU + CCTL.IVALL)
-                dep = tl.atomic_add(w_tk, 0, sem="acquire") >> 31  # 0; keeps the RMW
-                best = tl.load(w_max + dep, volatile=True)
-            else:
-                best = tl.load(w_max, volatile=True)
+            best = tl.load(w_max, volatile=True)
             if STAMPS:
                 tl.store(p_st + 4, _stamp(best))
             tl.store(w_max, 0)
@@ -389,7 +293,7 @@ def lookup_scan_kernel(
 
 @triton.jit
 def _fold_words(w_max, w_tk, best, p_h, L, K_DRAFT: tl.constexpr, KP: tl.constexpr, POS_BITS: tl.constexpr):
-    """WORDS=1's fold (FENCE 4's fences): the draft rides with the max and the ticket counts the
+    """WORDS=1's fold (the tickets' fences above): the draft rides with the max and the ticket counts the
     matches, so the last arrival reads at most one line after its ticket (c12 reads the max word,
     then the draft from the history: two dependent L2 trips) and nothing where no program matched.
     Word k < K_DRAFT <= 8 of the request's line (int64, bytes 8k..8k+7; the ticket is at byte 64)
@@ -453,7 +357,7 @@ NV_BITS = 4
 @triton.jit
 def _fold_direct(w_tk, best, p_h, L, last, drafts, num_valid, i_b, K_DRAFT: tl.constexpr, KP: tl.constexpr,
                  POS_BITS: tl.constexpr, NV_BITS: tl.constexpr):
-    """DIRECT=1's fold (WORDS's tickets, FENCE 4's fences): the outputs are the fold's words, so the
+    """DIRECT=1's fold (WORDS's tickets and fences): the outputs are the fold's words, so the
     last arrival reads nothing after its ticket.  A program with a match folds, with relaxed
     64-bit REDs, score << 32 | token into every one of the request's K_DRAFT draft slots (its own
     draft tokens, then the last token where the history ends first: the reference's fill) and
@@ -569,15 +473,12 @@ def lookup_scan_fwd(
     workspace: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     programs_per_request: int | None = None,
-    config: Config | None = None,
-    opts: dict[str, int] | None = None,
+    launch: Launch | None = None,
     stamps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher; see kernels.lookup_scan.lookup_scan for the contract.  ``config`` = (NV, G,
-    warps, programs-per-launch cap, FENCE, ORDER) picks the tile, the fold and the load order
-    (bench.py --sweep); default by B * S (default_config).  ``opts``: kernel switches for
-    measurements (FAST, FOLD, SUFFIX_AT_S; prof.py), FOLD=0 and SUFFIX_AT_S=1 are timing only;
-    ``stamps``: int64 [B, P, 8] zeros for STAMPS=1 (prof.py --stamps, GPU only)."""
+    """Launcher; see kernels.lookup_scan.lookup_scan for the contract.  ``launch``: the tile and
+    the paths (config.Launch; default: the rule's, config.default_launch); ``stamps``: int64
+    [B, P, 8] zeros for per-program %globaltimer stamps (diag.py --stamps, GPU only)."""
     if not 1 <= min_n <= max_n or max_n > 31 or num_draft < 1:
         raise ValueError(f"need 1 <= min_n <= max_n <= 31 and num_draft >= 1, got {min_n}, {max_n}, {num_draft}")
     if token_ids.stride(-1) != 1 or token_ids.dtype not in (torch.int32, torch.int64):
@@ -587,43 +488,33 @@ def lookup_scan_fwd(
     B = token_ids.shape[0] if req_indices is None else req_indices.shape[0]
     dev = token_ids.device
     S = token_ids.shape[1]
-    if config is None:  # one lookup of the launcher default: tile and switches together
-        config, base_opts = candidate(DEFAULT, B, S, max_n)
-    else:
-        base_opts = {}
-    nv, g, nw, cap, fence, order = config
-    kw = {**base_opts, **(opts or {})}
-    block = block_tokens((nv, g, nw))
-    P = programs_per_request or max(1, min(triton.cdiv(S, block), max(8, cap // max(B, 1))))
-    if "POLL_MAX_P" in kw:  # POLL only up to this many programs per request (the poller reads P slots)
-        kw["POLL"] = int(P <= kw.pop("POLL_MAX_P"))
-    need = workspace_numel(B) if kw.get("SPREAD") or kw.get("POLL") else 2 * B
-    if kw.get("POLL"):  # one int32 slot per program after the B request lines (_poll_slots)
+    launch = launch or default_launch(B, S, max_n)
+    block = block_tokens(launch)
+    P = programs_per_request or max(1, min(triton.cdiv(S, block), max(8, launch.cap // max(B, 1))))
+    poll = P <= launch.poll_max_p  # the poller reads P slots
+    need = workspace_numel(B)
+    if poll:  # one int32 slot per program after the B request lines (_poll_slots)
         need = max(need, 16 * B + triton.cdiv(B * P, 2))
-        kw["PP"] = triton.next_power_of_2(P)
     if workspace is None:
         workspace = torch.zeros(need, dtype=torch.int64, device=dev)
     elif workspace.dim() != 1 or workspace.numel() < need or workspace.dtype != torch.int64 or not workspace.is_contiguous():
         raise ValueError(f"workspace must be contiguous int64 [workspace_numel(B) = {need}] zeros, "
                          f"got {workspace.dtype} {tuple(workspace.shape)}")
     drafts, num_valid = out if out is not None else zero_outputs(B, num_draft, dev)
-    # COVER=1 asks for the loop-free kernel; it is only right when the grid covers every end
-    # position of the buffer (seq_lens <= S): n_tiles = cdiv(L - 1, BLOCK) <= P.
-    kw["COVER"] = int(bool(kw.get("COVER")) and P * block >= S - 1)
-    if kw.get("WORDS") and (kw.get("POLL") or num_draft > 8):  # WORDS folds the ticket path, k <= 8 words
-        kw["WORDS"] = 0
-    # DIRECT folds into the outputs on WORDS's path (not POLL's: c21, NOTES.md); its packed
-    # num_valid holds positions < 2**22.
-    kw["DIRECT"] = int(bool(kw.get("DIRECT")) and bool(kw.get("WORDS")) and S < 2 ** (POS_BITS - NV_BITS))
-    maxnreg = kw.pop("MAXNREG", None)
-    LAST_KERNEL[0] = lookup_scan_kernel[(P, B)](
+    # WORDS folds the ticket path's draft into the request's line: k <= 8 words.  DIRECT folds into
+    # the outputs on WORDS's path (not POLL's: c21, HISTORY.md); its packed num_valid holds
+    # positions < 2**22.
+    words = launch.words and not poll and num_draft <= 8
+    direct = launch.direct and words and S < 2 ** (POS_BITS - NV_BITS)
+    lookup_scan_kernel[(P, B)](
         token_ids, token_ids.stride(0), req_indices if req_indices is not None else seq_lens, seq_lens,
         drafts, num_valid, workspace.view(torch.int32), stamps if stamps is not None else workspace, S, P, B,
         MIN_N=min_n, MAX_N=max_n, K_DRAFT=num_draft, KP=triton.next_power_of_2(num_draft),
-        ROWS=32 * nw * g, NV=nv, HV=triton.cdiv(max_n - 1, 4), HAS_REQ_IDX=req_indices is not None,
-        # int, not bool: FENCE 3 / 4 are protocols of their own (bool() made them FENCE 1 before 2026-11-30)
-        POS_BITS=POS_BITS, NV_BITS=NV_BITS, FENCE=int(fence), ORDER=int(bool(order)), num_warps=nw,
-        **({"maxnreg": int(maxnreg)} if maxnreg else {}),
-        **kw,
-    )
+        ROWS=32 * launch.warps * launch.g, NV=launch.nv, HV=triton.cdiv(max_n - 1, 4),
+        HAS_REQ_IDX=req_indices is not None, POS_BITS=POS_BITS, NV_BITS=NV_BITS, ORDER=int(launch.order),
+        ROWKEY=int(launch.rowkey), HIT_N=int(launch.hit_n),
+        # the loop-free kernel where the grid covers every end position of the buffer (seq_lens <= S)
+        COVER=int(P * block >= S - 1), POLL=int(poll), PP=triton.next_power_of_2(P) if poll else 1,
+        WORDS=int(words), DIRECT=int(direct), STAMPS=int(stamps is not None), num_warps=launch.warps,
+    )  # fmt: skip
     return drafts, num_valid

@@ -14,6 +14,7 @@ if not CUDA:  # must precede the first @triton.jit decoration
 pytest.importorskip("triton")
 
 from kernels.lookup_scan import lookup_scan, naive_lookup_scan, workspace_numel  # noqa: E402
+from kernels.lookup_scan.config import Launch  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 DEVICE = "cuda" if CUDA else "cpu"
@@ -110,31 +111,26 @@ def test_req_indices_and_workspace_reuse():
         assert not ws.any(), "the kernel must leave the workspace zeroed"
 
 
-@pytest.mark.parametrize("config,programs,opts", [
-    ((1, 1, 1, 64, 1, 0), 3, None), ((2, 1, 1, 64, 0, 1), 10, None), ((1, 2, 1, 64, 1, 0), 2, None),
-    ((2, 1, 1, 64, 3, 0), 10, None), ((2, 1, 1, 64, 4, 1), 10, None),
-    ((2, 1, 1, 64, 4, 0), 6, {"SPREAD": 1, "COVER": 1, "EDGE_ONLY": 1}),
-    ((1, 1, 1, 64, 4, 0), 3, {"SPREAD": 1, "COVER": 1, "FAST": 1, "MAXNREG": 64}),
-    ((2, 1, 1, 64, 1, 0), 10, {"SPREAD": 1, "TICKETS": 3}),
-    ((2, 1, 1, 64, 4, 0), 6, {"SPREAD": 1, "COVER": 1, "HIT": 1}),
-    ((1, 1, 1, 64, 4, 0), 3, {"SPREAD": 1, "FAST": 2, "HIT": 3}),
-    ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "COVER": 1, "FAST": 2, "HIT": 2}),
-    ((1, 1, 1, 64, 4, 0), 3, {"POLL": 1}), ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "COVER": 1, "POLL": 1}),
-    ((1, 1, 1, 64, 4, 0), 3, {"SPREAD": 1, "WORDS": 1}), ((2, 1, 1, 64, 4, 0), 10, {"SPREAD": 1, "COVER": 1, "WORDS": 1}),
-], ids=["loop", "idle-nofence-order", "G2", "idle-acquire-load", "idle-acquire-tickets", "spread-cover-edge1",
-        "spread-fast-loop", "two-level-tickets", "hit-xor-min", "fast2-hit-prefix-loop", "fast2-no-hit-idle",
-        "poll-loop", "poll-idle", "words-loop", "words-idle"])
-def test_configs_block_loop_and_idle_programs(config, programs, opts):
-    """Tile configs (NV, G, warps, cap, fence, order): P=3 loops over tiles past the program cap; P=10
-    leaves programs with no tile (no ticket; the finisher counts only the active ones) on the short
-    rows, with the fence-free fold and the barrier-ordered loads; G=2 gives each thread two rows; FENCE
-    3/4 release only from programs that wrote a max; POLL: per-program slots and a polling last program;
-    WORDS: the draft folded with the max, matches counted in the ticket.  Switches: SPREAD (a workspace line per
-    request), COVER (loop-free kernel: the 6 x 256 grid covers the buffer; ignored where P=3 does
-    not), EDGE_ONLY (one scoring copy), FAST (row-local keys) under a register cap, TICKETS (two-level
-    tickets: 3 group words; the short rows have fewer active programs than groups); HIT 1 / 3 / 2
-    (hit test as a min of XORs / on the first MIN_N tokens / none) and FAST 2 (XOR-OR scoring at
-    n 4-4; the 2-9 row goes through FAST 1's keys)."""
+# Launches on 256-token (NV 2) and 128-token tiles: P=3 loops over tiles past the program cap, P=10
+# leaves programs with no tile on the short rows (no ticket: the finisher counts only the active
+# ones), P=6 with 256-token tiles covers the buffer (the loop-free kernel).
+_T1, _T2 = Launch(1, 1, 1, 64), Launch(2, 1, 1, 64)
+_TICKETS = {"poll_max_p": 0}  # every request on the ticket path (its default at > 256 programs)
+
+
+@pytest.mark.parametrize("launch,programs", [
+    (_T1.with_(**_TICKETS), 3), (_T2.with_(order=True, **_TICKETS), 10), (Launch(1, 2, 1, 64, **_TICKETS), 2),
+    (_T2.with_(words=False, **_TICKETS), 10), (_T2.with_(hit_n=True, **_TICKETS), 6),
+    (_T1.with_(rowkey=True, hit_n=True, **_TICKETS), 3), (_T2.with_(rowkey=True, **_TICKETS), 10),
+    (_T1, 3), (_T2, 10), (_T2.with_(rowkey=True, hit_n=True, order=True), 6),
+], ids=["tickets-loop", "tickets-idle-order", "G2", "max-word-idle", "hit-n-cover", "rowkey-hit-n-loop",
+        "rowkey-idle", "poll-loop", "poll-idle", "poll-rowkey-hit-n-cover"])
+def test_launches_block_loop_and_idle_programs(launch, programs):
+    """Launch configurations (config.Launch) beyond the rule's own grids: loops past the program
+    cap, idle programs, two rows per thread, the load order behind a barrier; on the ticket path
+    (WORDS + DIRECT: k <= 8 here) and its plain max word (words off, the launcher's path at k > 8),
+    on the polling fold; the MIN_N-token hit test (hit_n) and row-local keys (rowkey: XOR-OR
+    scoring at n 4-4, the (m, c) keys at n 2-9), alone and together."""
     from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
 
     tok = torch.cat([repetitive(2, 1500, 300, seed=9), torch.randint(0, 4, (2, 1500), dtype=torch.int32)])
@@ -143,7 +139,7 @@ def test_configs_block_loop_and_idle_programs(config, programs, opts):
     for min_n, max_n in [(2, 9), (4, 4)]:
         out = (torch.full((4, 5), -7, dtype=torch.int64, device=DEVICE),
                torch.full((4,), -7, dtype=torch.int32, device=DEVICE))
-        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 5, None, ws, out, programs, config, opts)
+        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 5, None, ws, out, programs, launch)
         dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 5)
         assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
         assert not ws.any()
@@ -183,7 +179,7 @@ def test_words_fold_paths(programs, k, direct):
         out = (torch.full((7, k), -7, dtype=torch.int64, device=DEVICE),
                torch.full((7,), -7, dtype=torch.int32, device=DEVICE))
         d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, k, None, ws, out, programs,
-                               (2, 1, 1, 64, 4, 0), {"SPREAD": 1, "WORDS": 1, "DIRECT": direct})
+                               Launch(2, 1, 1, 64, poll_max_p=0, direct=bool(direct)))
         dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, k)
         assert nr.tolist()[:3] == [0, k, k] and dr[4, :5].tolist() == base[1309:1314].tolist()
         assert nr[5] == 3 and dr[5, :3].tolist() == [7, 8, 9] and nr[6] == k
@@ -217,7 +213,7 @@ def test_direct_outputs_persist_across_calls(programs):
             tok = torch.stack([seq[i], seq[(i + 3) % len(seq)]])
             lens = torch.tensor([S, S], dtype=torch.int32)
             d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), 2, 9, k, None, ws, out, programs,
-                                   (2, 1, 1, 64, 4, 0), {"SPREAD": 1, "WORDS": 1, "DIRECT": 1})
+                                   Launch(2, 1, 1, 64, poll_max_p=0))
             dr, nr = naive_lookup_scan(tok, lens, 2, 9, k)
             assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr), i
             assert not ws.any()
@@ -225,61 +221,56 @@ def test_direct_outputs_persist_across_calls(programs):
 
 
 def test_rule_tiers():
-    """The launcher's config follows B * S through RULE's tiers (bench rows: 8K/32K B1 -> 128-token
-    one-warp tiles; 8K B8, 100K B1 -> 256-token; 256K B1, 32K/100K B8 -> 1024-token ORDER=1;
-    256K B8 -> 2048-token); FENCE and the kernel switches come from the DEFAULT candidate."""
-    from kernels.lookup_scan.triton import (CANDIDATES, CONFIG_LARGE, DEFAULT, RULE, default_config, default_opts,
-                                            tier_candidate)
+    """The launcher's launch follows B * S through RULE's tiers (bench rows: 8K/32K B1 -> 128-token
+    one-warp tiles; 8K B8, 100K B1 -> 256-token; 256K B1, 32K/100K B8 -> 1024-token ORDER with
+    row-local keys and the MIN_N-token hit test; 256K B8 -> 2048-token, 4-token rows at max_n <= 5)."""
+    from kernels.lookup_scan.config import LARGE, LARGE_SHORT, RULE, block_tokens, default_launch
 
-    fence, per_tier = CANDIDATES[DEFAULT]
-    tiers = [(*c[:4], fence, c[5]) for c in (*[c for _, c in RULE], CONFIG_LARGE)]
-    picks = {(B, S): default_config(B, S) for B in (1, 8) for S in (8192, 32768, 100_000, 262_144)}
-    assert picks[1, 8192] == picks[1, 32768] == tiers[0]
-    assert picks[8, 8192] == picks[1, 100_000] == tiers[1]
-    assert picks[1, 262_144] == picks[8, 32768] == picks[8, 100_000] == tiers[2]
-    assert picks[8, 262_144] == tiers[3]
-    assert default_config(3, 2500) == tiers[0] and default_config(64, 1 << 20) == tiers[3]
-    assert default_opts(1, 100_000) == tier_candidate(DEFAULT, 1)[1]
-    assert default_opts(8, 262_144, 12) == tier_candidate(DEFAULT, 3, 12)[1]
-    assert default_config(8, 262_144, 5) == tier_candidate(DEFAULT, 3, 5)[0]
-    # SHORT: a tier's overrides for max_n <= 5 (c4: 256K B8 n5-5 on 4-token rows)
-    assert tier_candidate("c4", 3, 5)[0][:3] == (1, 4, 4) and tier_candidate("c4", 3, 12)[0][:4] == CONFIG_LARGE[:4]
+    tiers = [launch for _, launch in RULE]
+    picks = {(B, S): default_launch(B, S, 12) for B in (1, 8) for S in (8192, 32768, 100_000, 262_144)}
+    assert picks[1, 8192] == picks[1, 32768] == tiers[0] and block_tokens(tiers[0]) == 128
+    assert picks[8, 8192] == picks[1, 100_000] == tiers[1] and block_tokens(tiers[1]) == 256
+    assert picks[1, 262_144] == picks[8, 32768] == picks[8, 100_000] == tiers[2] and block_tokens(tiers[2]) == 1024
+    assert tiers[2].order and tiers[2].rowkey and tiers[2].hit_n and not tiers[0].rowkey
+    assert picks[8, 262_144] == LARGE and block_tokens(LARGE) == 2048
+    assert default_launch(3, 2500) == tiers[0] and default_launch(64, 1 << 20) == LARGE
+    assert default_launch(8, 262_144, 5) == LARGE_SHORT and default_launch(8, 262_144, 6) == LARGE
+    assert all(launch.poll_max_p == 256 and launch.words and launch.direct for launch in (*tiers, LARGE, LARGE_SHORT))
 
 
-@pytest.mark.parametrize("cand", ["c20", "c19", "c12", "c5", "c3"])
-@pytest.mark.parametrize("tier", range(4), ids=["w1-128", "w1-256", "w4-1024-order", "w4-2048"])
-def test_rule_configs(tier, cand):
-    """Each config the rule can pick, with the launcher's own grid (P from the cap): mixed lengths,
-    a row shorter than the suffix, vocab-4 rows (every tile passes the hit test); with the kernel
-    switches of candidate launcher defaults (c20, the default: c12 + WORDS + DIRECT on the ticket
-    path, and c19 without DIRECT: these few programs per request never take it; c12: c5 with POLL, which they always take; c5: FENCE
-    4 tickets, SPREAD, COVER, FAST 2 + HIT 3 on the four-warp tiers, the 4-token-row tile at max_n
-    <= 5 on the large one; c3: TICKETS, EDGE_ONLY / FAST 1).  FENCE 1 runs in
-    test_configs_block_loop_and_idle_programs; WORDS and DIRECT in test_words_fold_paths."""
-    from kernels.lookup_scan.triton import block_tokens, lookup_scan_fwd, tier_candidate, workspace_numel
+@pytest.mark.parametrize("tier", range(5), ids=["w1-128", "w1-256", "w4-1024-order", "w4-2048", "w4-2048-short"])
+def test_rule_launches(tier):
+    """Each launch the rule can pick, with the launcher's own grid (P from the cap): mixed lengths,
+    a row shorter than the suffix, vocab-4 rows (every tile passes the hit test); these few
+    programs per request take the polling fold, the same launches on the ticket path too.  WORDS and
+    DIRECT's own cases: test_words_fold_paths."""
+    from kernels.lookup_scan.bench import RULE_LAUNCHES
+    from kernels.lookup_scan.triton import block_tokens, lookup_scan_fwd, workspace_numel
 
     for min_n, max_n in [(6, 12), (5, 5)]:
-        config, opts = tier_candidate(cand, tier, max_n)
-        S = 2 * block_tokens(config) + 301  # interior and edge tiles; few programs (the interpreter's cost)
-        tok = torch.cat([repetitive(2, S, 300, seed=11), torch.randint(0, 4, (2, S), dtype=torch.int32)])
-        lens = torch.tensor([S, S - 223, 3, S - 1], dtype=torch.int32)
-        ws = torch.zeros(workspace_numel(4), dtype=torch.int64, device=DEVICE)
-        out = (torch.full((4, 7), -7, dtype=torch.int64, device=DEVICE),
-               torch.full((4,), -7, dtype=torch.int32, device=DEVICE))
-        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, config, opts)
-        dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 7)
-        assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
-        assert not ws.any()
+        for launch in (RULE_LAUNCHES[tier], RULE_LAUNCHES[tier].with_(poll_max_p=0)):
+            S = 2 * block_tokens(launch) + 301  # interior and edge tiles; few programs (the interpreter's cost)
+            tok = torch.cat([repetitive(2, S, 300, seed=11), torch.randint(0, 4, (2, S), dtype=torch.int32)])
+            lens = torch.tensor([S, S - 223, 3, S - 1], dtype=torch.int32)
+            ws = torch.zeros(workspace_numel(4), dtype=torch.int64, device=DEVICE)
+            out = (torch.full((4, 7), -7, dtype=torch.int64, device=DEVICE),
+                   torch.full((4,), -7, dtype=torch.int32, device=DEVICE))
+            d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, launch)
+            dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 7)
+            assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr), launch
+            assert not ws.any()
 
 
 @pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
-@pytest.mark.parametrize("cand", ["default", "c1", "c3", "c4", "c10", "c12", "c19", "c20"])
+@pytest.mark.parametrize("path", ["default", "tickets", "max-word"])
 @pytest.mark.parametrize("S", [8192, 100_000, 262_144])
 @pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
-def test_real_lengths_gpu(S, min_n, max_n, cand):
-    """The default launcher, and each candidate default (triton.CANDIDATES) at the same rows; the
-    second call of a candidate folds into the outputs the first left (DIRECT's persistent outputs)."""
-    from kernels.lookup_scan.triton import candidate, lookup_scan_fwd, workspace_numel
+def test_real_lengths_gpu(S, min_n, max_n, path):
+    """The default launcher at B8 (the polling fold at these grids), and its launch forced onto the
+    ticket path (WORDS + DIRECT) and onto the plain max word; the second call folds into the
+    outputs the first left (DIRECT's persistent outputs)."""
+    from kernels.lookup_scan.config import default_launch
+    from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
 
     tok = torch.cat([repetitive(4, S, 150_000, seed=S), torch.randint(0, 8, (4, S), dtype=torch.int32)])
     lens = torch.tensor([S, S - 1, S // 2 + 3, 1000, S, S - 5, 77, S // 3], dtype=torch.int32)
@@ -287,28 +278,31 @@ def test_real_lengths_gpu(S, min_n, max_n, cand):
     dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 7)
     out = (torch.full((8, 7), -7, dtype=torch.int64, device=DEVICE),
            torch.full((8,), -7, dtype=torch.int32, device=DEVICE))
+    launch = default_launch(8, S, max_n)
+    launch = {"default": launch, "tickets": launch.with_(poll_max_p=0),
+              "max-word": launch.with_(poll_max_p=0, words=False)}[path]
     for _ in range(2):
-        if cand == "default":
+        if path == "default":
             check(tok, lens, min_n, max_n, 7, workspace=ws)
             continue
-        config, opts = candidate(cand, 8, S, max_n)
-        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, config, opts)
-        assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr), cand
+        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, launch)
+        assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr), path
         assert not ws.any()
 
 
 @pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
 @pytest.mark.parametrize("S", [100_000, 262_144])
 @pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
-@pytest.mark.parametrize("cand", ["c19", "c20"])
-def test_words_real_lengths_gpu(S, min_n, max_n, cand):
-    """WORDS (c19) and DIRECT (c20) at batch 1 on the ticket path with 391 / 1,024 programs (c12's 100K B1 tile), the
-    programs racing for real: a quoting history, vocab-8 noise (no match or many), distinct tokens
-    with one and with two earlier copies of the suffix; twice each (the line left zero)."""
-    from kernels.lookup_scan.triton import candidate, lookup_scan_fwd, workspace_numel
+@pytest.mark.parametrize("direct", [False, True], ids=["words", "direct"])
+def test_words_real_lengths_gpu(S, min_n, max_n, direct):
+    """WORDS and DIRECT (the default there) at batch 1 on the ticket path with 391 / 1,024 programs
+    (the rule's 100K B1 tile), the programs racing for real: a quoting history, vocab-8 noise (no
+    match or many), distinct tokens with one and with two earlier copies of the suffix; twice each
+    (the line left zero)."""
+    from kernels.lookup_scan.config import default_launch
+    from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
 
-    config, opts = candidate(cand, 1, 100_000, max_n)
-    opts = {**opts, "POLL_MAX_P": 0}
+    launch = default_launch(1, 100_000, max_n).with_(poll_max_p=0, direct=direct)
     base = torch.randperm(2_000_000, generator=torch.Generator().manual_seed(S))[:S].to(torch.int32)
     one = base.clone()
     one[S // 3:S // 3 + 12] = base[-12:]
@@ -323,17 +317,17 @@ def test_words_real_lengths_gpu(S, min_n, max_n, cand):
         tok, lens = row[None], torch.tensor([S], dtype=torch.int32)
         dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 7)
         for _ in range(2):
-            d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, config, opts)
+            d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, launch)
             assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr)
             assert not ws.any()
 
 
 @pytest.mark.skipif(not CUDA, reason="real lengths need CUDA")
 @pytest.mark.parametrize("min_n,max_n", [(5, 5), (6, 12)], ids=lambda x: str(x))
-def test_candidate_configs_gpu(min_n, max_n):
-    """Every config the per-(B, S) rule may pick (bench.SWEEP), at an odd capacity with mixed
-    lengths: idle programs, edge tiles, loops past the cap for the big tiles' neighbours."""
-    from kernels.lookup_scan.bench import SWEEP, TEST_S
+def test_rule_launches_gpu(min_n, max_n):
+    """Every launch the per-(B, S) rule may pick (bench.RULE_LAUNCHES), at an odd capacity with
+    mixed lengths: idle programs, edge tiles, loops past the cap for the big tiles' neighbours."""
+    from kernels.lookup_scan.bench import RULE_LAUNCHES, TEST_S
     from kernels.lookup_scan.triton import lookup_scan_fwd, workspace_numel
 
     S = TEST_S
@@ -341,9 +335,9 @@ def test_candidate_configs_gpu(min_n, max_n):
     lens = torch.tensor([S, S - 1, S // 2 + 3, 1000, S, S - 5, 77, S // 3], dtype=torch.int32)
     dr, nr = naive_lookup_scan(tok, lens, min_n, max_n, 7)
     ws = torch.zeros(workspace_numel(8), dtype=torch.int64, device=DEVICE)
-    for config in SWEEP:
+    for launch in RULE_LAUNCHES:
         out = (torch.full((8, 7), -7, dtype=torch.int64, device=DEVICE),
                torch.full((8,), -7, dtype=torch.int32, device=DEVICE))
-        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, config)
-        assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr), config
+        d, n = lookup_scan_fwd(tok.to(DEVICE), lens.to(DEVICE), min_n, max_n, 7, None, ws, out, None, launch)
+        assert torch.equal(n.cpu(), nr) and torch.equal(d.cpu(), dr), launch
         assert not ws.any()
