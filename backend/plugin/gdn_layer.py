@@ -12,8 +12,8 @@ weights, same projections).  Only the recurrent core of a step changes:
   pending logs of its spec rows back to vLLM's form (`fused_recurrent_gdn_commit`), forgets its
   non-spec slots, then runs upstream unchanged.
 
-On CPU engines the kernel calls go to `gdn_lazy.TorchGdnKernels` (the same contract in plain
-torch): Triton's interpreter takes seconds per call at head size 128.  The unit tests drive the
+On CPU engines the kernel calls go to `kernels.gdn_verify.reference.TorchGdnKernels` (the same
+contract in plain torch): Triton's interpreter takes seconds per call at head size 128.  The unit tests drive the
 Triton kernel itself through the interpreter (`HYPERHARNESS_GDN_KERNEL=triton`).  `HYPERHARNESS_GDN_LAZY_EAGER=1` (tests only) runs the same
 bookkeeping with the eager twin of the kernel (vLLM's per-token storing, same arithmetic), the
 reference the lazy path must match token for token.
@@ -38,12 +38,12 @@ from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from backend.plugin.gdn import GdnBatch, route_to_lazy_commit
 from backend.plugin.gdn_lazy import (
     LazyGdnState,
-    TorchGdnKernels,
     copy_rows,
     pad_rows,
     spec_conv_update,
     unpad_rows,
 )
+from kernels.gdn_verify.reference import TorchGdnKernels
 
 log = logging.getLogger("hyperharness.plugin.gdn")
 

@@ -28,145 +28,9 @@ from __future__ import annotations
 import torch
 
 import kernels.gdn_verify as triton_kernels
-from kernels.gdn_verify import gdn_log_empty, log_layout, log_view_f32
-from kernels.gdn_verify.reference import gdn_gates
+from kernels.gdn_verify import gdn_log_empty
 
-__all__ = ["LazyGdnState", "TorchGdnKernels", "copy_rows", "pad_rows", "spec_conv_update", "unpad_rows"]
-
-
-class TorchGdnKernels:
-    """The three `kernels.gdn_verify` entry points in plain torch (same contract: log layout,
-    parity halves, num_replay, negative slots, [K, V] or [V, K] pools), one request and token at
-    a time with the reference's fp32 step (`reference.naive_gdn_step`'s order of operations).
-
-    For CPU engines: Triton's interpreter takes seconds per call at the real head size, far too
-    slow to serve even the test model.  Like the kernel, a new token logs what its update used
-    (raw k, u, decay and 1/||k||, `log_layout`) and a replayed token is only
-    ``h * decay + (k * rk) (x) u``, the same torch ops on the same values, so lazy and eager are
-    bit-identical to each other (not to the Triton kernel: other reduction order; the log's u is
-    the kernel's FOLD=0 form, so the twin and the kernel must not share a log).
-    """
-
-    @staticmethod
-    def _rnorm(x: torch.Tensor) -> torch.Tensor:
-        """One token's [H, D] -> fp32 [H, 1] factor 1 / ||x|| (eps inside the sqrt)."""
-        x = x.float()
-        return torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
-
-    @staticmethod
-    def _normed(x: torch.Tensor, r: torch.Tensor, hv: int) -> torch.Tensor:
-        """[H, D] * [H, 1] -> fp32 [HV, D] (grouped value heads share a key head)."""
-        x = x.float() * r
-        return x.repeat_interleave(hv // x.shape[0], dim=0)
-
-    @staticmethod
-    def _rank1(h, kn, u, decay):
-        """h * decay + kn (x) u: the update of a new token and of its replay (same ops, same
-        shapes: CPU kernels round alike)."""
-        return h * decay[:, None, None] + kn[:, :, None] * u[:, None, :]
-
-    @classmethod
-    def _token(cls, h, k_tok, v_tok, a_tok, b_tok, A_log, dt_bias):
-        """One new token: (new h, u [HV, V], decay [HV], rk [H, 1]), the last three what its
-        replay reads back from the log."""
-        decay, beta = gdn_gates(a_tok, b_tok, A_log, dt_bias)
-        rk = cls._rnorm(k_tok)
-        kn = cls._normed(k_tok, rk, h.shape[0])
-        hd = h * decay[:, None, None]
-        u = (v_tok.float() - (hd * kn[:, :, None]).sum(-2)) * beta[:, None]
-        return cls._rank1(h, kn, u, decay), u, decay, rk
-
-    @classmethod
-    def _out(cls, h, q_tok, scale: float | None):
-        K = q_tok.shape[-1]
-        qn = cls._normed(q_tok, cls._rnorm(q_tok), h.shape[0]) * (K**-0.5 if scale is None else scale)
-        return (h * qn[:, :, None]).sum(-2)
-
-    @staticmethod
-    def _load(state, slot: int, state_vk: bool) -> torch.Tensor:
-        h = state[slot].float()
-        return h.transpose(-1, -2) if state_vk else h
-
-    @staticmethod
-    def _store(state, slot: int, h: torch.Tensor, state_vk: bool) -> None:
-        state[slot] = (h.transpose(-1, -2) if state_vk else h).to(state.dtype)
-
-    @classmethod
-    def _replay(cls, h, log, slot: int, par: int, r: int, H: int):
-        hv, K, V = h.shape
-        lay = log_layout(H, K, hv, V, log.dtype)
-        logf = log_view_f32(log)
-        for t in range(r):
-            words = logf[slot, par, t]
-            kn = cls._normed(log[slot, par, t, : H * K].view(H, K), words[lay.rk : lay.rk + H].view(H, 1), hv)
-            h = cls._rank1(h, kn, words[lay.u : lay.u + hv * V].view(hv, V), words[lay.decay : lay.decay + hv])
-        return h
-
-    @staticmethod
-    def _write_log(log, slot: int, half: int, t: int, k_tok, u, decay, rk) -> None:
-        H, K = k_tok.shape
-        hv, V = u.shape
-        lay = log_layout(H, K, hv, V, log.dtype)
-        log[slot, half, t, : H * K] = k_tok.reshape(-1).to(log.dtype)  # exact: checked dtypes
-        words = log_view_f32(log)[slot, half, t]
-        words[lay.u : lay.u + hv * V] = u.reshape(-1)
-        words[lay.decay : lay.decay + hv] = decay
-        words[lay.rk : lay.rk + H] = rk.reshape(-1)
-
-    @classmethod
-    def fused_recurrent_gdn_verify(cls, q, k, v, a, b, A_log, dt_bias, state, state_indices, log,
-                                   log_parity, num_replay, scale=None, out=None, state_vk=False):
-        B, T, H, _ = q.shape
-        hv = v.shape[2]
-        if log.dtype not in (k.dtype, torch.float32):
-            raise ValueError(f"a {log.dtype} log cannot hold k of {k.dtype} exactly: use a {k.dtype} or fp32 log")
-        par = int(log_parity.item())
-        o = out if out is not None else torch.empty(B, T, hv, v.shape[-1], dtype=q.dtype, device=q.device)
-        for i in range(B):
-            slot = int(state_indices[i])
-            if slot < 0:
-                continue
-            h = cls._load(state, slot, state_vk)
-            r = int(num_replay[i])
-            if r:
-                h = cls._replay(h, log, slot, par, r, H)
-                h = h.to(state.dtype).float()
-                cls._store(state, slot, h, state_vk)
-            for t in range(T):
-                h, u, decay, rk = cls._token(h, k[i, t], v[i, t], a[i, t], b[i, t], A_log, dt_bias)
-                o[i, t] = cls._out(h, q[i, t], scale).to(o.dtype)
-                cls._write_log(log, slot, 1 - par, t, k[i, t], u, decay, rk)
-        return o
-
-    @classmethod
-    def fused_recurrent_gdn_commit(cls, A_log, dt_bias, state, state_indices, log, log_parity,
-                                   num_replay, num_k_heads, state_vk=False):
-        par = int(log_parity.item())
-        for i in range(state_indices.shape[0]):
-            slot, r = int(state_indices[i]), int(num_replay[i])
-            if slot < 0 or r == 0:
-                continue
-            h = cls._replay(cls._load(state, slot, state_vk), log, slot, par, r, num_k_heads)
-            cls._store(state, slot, h, state_vk)
-
-    @classmethod
-    def fused_recurrent_gdn_verify_eager(cls, q, k, v, a, b, A_log, dt_bias, state, init_indices,
-                                         token_indices, scale=None, out=None, state_vk=False):
-        B, T, _, _ = q.shape
-        hv = v.shape[2]
-        o = out if out is not None else torch.empty(B, T, hv, v.shape[-1], dtype=q.dtype, device=q.device)
-        for i in range(B):
-            slot = int(init_indices[i])
-            if slot < 0:
-                continue
-            h = cls._load(state, slot, state_vk)
-            for t in range(T):
-                h = cls._token(h, k[i, t], v[i, t], a[i, t], b[i, t], A_log, dt_bias)[0]
-                o[i, t] = cls._out(h, q[i, t], scale).to(o.dtype)
-                dst = int(token_indices[i, t])
-                if dst >= 0:
-                    cls._store(state, dst, h, state_vk)
-        return o
+__all__ = ["LazyGdnState", "copy_rows", "pad_rows", "spec_conv_update", "unpad_rows"]
 
 
 def copy_rows(pool: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, mask: torch.Tensor) -> None:
@@ -201,7 +65,7 @@ class LazyGdnState:
         eager: bool = False,
         kernels=triton_kernels,
     ) -> None:
-        self.k = kernels  # kernels.gdn_verify, or TorchGdnKernels on CPU engines
+        self.k = kernels  # kernels.gdn_verify, or kernels.gdn_verify.reference.TorchGdnKernels on CPU
         self.pool = pool
         self.state_vk = state_vk
         self.num_k_heads = num_k_heads

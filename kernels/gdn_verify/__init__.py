@@ -101,7 +101,7 @@ def fused_recurrent_gdn_verify(
         scale: query scale, default K ** -0.5.
         out: optional [B, T, HV, V] contiguous output.
         state_vk: state stored [S, HV, V, K] (vLLM 0.32.0's pool layout).
-        config: kernel tiling ``(BV, num_warps[, VEC[, PF[, RG[, FOLD[, KCVT]]]]]])``
+        config: kernel tiling ``(BV, num_warps[, VEC[, PF[, RG[, KCVT]]]]])``
             (a prefix, filled from triton._default_config);
             the default depends on batch and state dtype.  Bit-identity with the eager and
             commit calls holds for the same config only.

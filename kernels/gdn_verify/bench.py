@@ -12,7 +12,7 @@ Providers (Qwen3.5-27B GDN shapes: H=16, HV=48, K=V=128, T=8 verify tokens):
   fla 1 call       fla-core's fused_recurrent_gated_delta_rule over the T tokens (1 read, 1 fp32
                    write, cannot resume from a rejected token); gates fused in-kernel
   fla T x 1        T one-token fla calls (resumable the naive way)
-Tiling sweeps: kernels/gdn_verify/sweep.py.
+Tiling sweeps: ``python -m kernels.gdn_verify.diag --sweep``.
 Bytes are what each provider must move (state, log, inputs, outputs); "%bw" is bytes/time over the
 device-to-device copy bandwidth measured in the same run.
 """
@@ -121,7 +121,7 @@ def case_ours(B, T, sd, r, config=None, state_vk=False, fwd=None):
     par = torch.zeros(1, dtype=torch.int32, device="cuda")
     zero = torch.zeros(B, dtype=torch.int32, device="cuda")
     launch = fwd or gdn_verify_fwd
-    # the previous step, same config (the log's u depends on FOLD)
+    # the previous step, same config
     launch(**x, state=state, init_idx=slots, num_k_heads=H, log=log, log_parity=par,
            num_replay=zero, config=config, state_vk=state_vk)
     par ^= 1  # the log of the step above is now the previous step's

@@ -1,4 +1,4 @@
-"""Row layout of the GDN verify token log (shared by the Triton kernel and the plugin's torch twin).
+"""Row layout of the GDN verify token log (shared by the Triton kernel and the torch reference).
 
 One row per logged token, ``log[slot, half, t]``; the tensor's dtype is the dtype its key section
 stores (the inputs' k dtype, or fp32), the rest of the row is fp32 read through
@@ -8,13 +8,17 @@ stores (the inputs' k dtype, or fp32), the rest of the row is fp32 read through
     (pad to 16 bytes)
     u      [HV, V]  the token's delta vector, fp32, exactly as the step computed it
     decay  [HV]     exp(g), fp32
-    rk     [H]      1 / ||k|| (the l2norm's factor), fp32 (FOLD=0 and the torch twin use it)
+    rk     [H]      1 / ||k|| (the l2norm's factor), fp32 (the torch reference's replay uses it)
     (pad to 16 bytes)
 
-A replayed token is then a pure rank-1 update ``h = h * decay + k (x) u`` (FOLD=1: u carries the
-key norm; FOLD=0 and the torch twin: ``h = h * decay + (k * rk) (x) u``), the same operations on the
-same fp32 values as when the token ran as a new token, so lazy and eager states stay bit-identical
-without recomputing gates or the k.h reduction.
+A replayed token is then a pure rank-1 update ``h = h * decay + k (x) u`` (the Triton kernel: u
+carries the key norm; the torch reference: ``h = h * decay + (k * rk) (x) u``), the same operations
+on the same fp32 values as when the token ran as a new token, so lazy and eager states stay
+bit-identical without recomputing gates or the k.h reduction.
+
+Its own module (not reference.py or triton.py): the layout is product code that both the Triton
+launcher and the torch reference (the engine plugin's CPU path) import, and gdn_log_empty sizes
+the engine's log from it.
 """
 
 from __future__ import annotations

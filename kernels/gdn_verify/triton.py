@@ -35,13 +35,12 @@ from kernels.gdn_verify.log_layout import log_layout, log_view_f32
 
 
 def _default_config(batch: int, state_dtype: torch.dtype, state_vk: bool = False) -> tuple[int, ...]:
-    """(BV, num_warps, VEC, PF, RG, FOLD, KCVT) from the H200 sweeps (NOTES.md,
-    ``python -m kernels.gdn_verify.sweep``).
+    """(BV, num_warps, VEC, PF, RG, KCVT) from the H200 sweeps (NOTES.md,
+    ``python -m kernels.gdn_verify.diag --sweep``).
 
     BV: V columns per program (one warp); VEC: state vector width along V, which fixes the lane
     split of the [K, BV] tile; PF: new tokens prefetched ahead (<= 4); RG: replay tokens per
-    predicated group; FOLD: norms/decay folded into scalars (see _delta_u; the
-    log's u depends on FOLD: replay a log with the FOLD that wrote it).  KCVT switches
+    predicated group.  KCVT switches
     one of three edits suspected of the fp32 B=1/4 regression against da5db45 (bisected by the
     sweep; it changes no result bit): KCVT=1 converts a replayed k to fp32 right at its load, so
     its layout change (a shared-memory round trip with a barrier) waits for that load before the
@@ -60,25 +59,24 @@ def _default_config(batch: int, state_dtype: torch.dtype, state_vk: bool = False
     # 20.1 cell to re-time, 16/1/4/4 25.7 vs 26.8).  fp16 was not swept: unchanged.  KCVT/PF/RG
     # move no result bit, so every batch still rounds like the [8 K x 4 V] family.
     if state_vk:
-        return (8, 1, 4, 2, 4, 1, 1)
+        return (8, 1, 4, 2, 4, 1)
     if state_dtype == torch.float32:
-        return (16, 1, 4, 4, 8, 1, 0) if batch >= 4 else (8, 1, 2, 2, 8, 1, 0)
+        return (16, 1, 4, 4, 8, 0) if batch >= 4 else (8, 1, 2, 2, 8, 0)
     if state_dtype == torch.bfloat16:
-        return (16, 1, 4, 2, 8, 1, 0) if batch >= 4 else (8, 1, 2, 4, 8, 1, 0)
+        return (16, 1, 4, 2, 8, 0) if batch >= 4 else (8, 1, 2, 4, 8, 0)
     if batch >= 8:
-        return (16, 1, 4, 4, 8, 1, 1)
-    return (8, 1, 2, 4, 8, 1, 1)
+        return (16, 1, 4, 4, 8, 1)
+    return (8, 1, 2, 4, 8, 1)
 
 
 def _resolve_config(config, batch, state_dtype, state_vk) -> tuple[int, ...]:
-    """A partial config (BV, num_warps[, VEC[, PF[, RG[, FOLD[, KCVT]]]]]) filled
-    from the default."""
+    """A partial config (BV, num_warps[, VEC[, PF[, RG[, KCVT]]]]) filled from the default."""
     full = _default_config(batch, state_dtype, state_vk)
     if config is None:
         return full  # type: ignore[return-value]
     cfg = tuple(config) + full[len(config):]
-    if len(cfg) != 7 or not 1 <= cfg[3] <= 4 or cfg[4] < 1:
-        raise ValueError(f"config {cfg}: need 7 entries, 1 <= PF <= 4 and RG >= 1")
+    if len(cfg) != 6 or not 1 <= cfg[3] <= 4 or cfg[4] < 1:
+        raise ValueError(f"config {cfg}: need 6 entries (BV, num_warps, VEC, PF, RG, KCVT), 1 <= PF <= 4 and RG >= 1")
     return cfg  # type: ignore[return-value]
 
 
@@ -104,40 +102,31 @@ def _rnorm(x):
 
 
 @triton.jit
-def _delta_u(b_h, b_k, rk, b_v, decay, beta, FOLD: tl.constexpr):
+def _delta_u(b_h, b_k, rk, b_v, decay, beta):
     """The token's delta vector u: [BV] fp32.  b_h: [BK, BV] fp32 state tile before the token;
-    b_k: [BK] raw key (fp32) and rk its 1/norm; b_v: [BV]; decay, beta: scalars.  FOLD=1 folds
-    the norm and the decay into scalars ([BV] work only, the k.h reduction does not wait for the
-    decay multiply): u = (v - (k.h) * decay * rk) * beta * rk, to be applied to the raw k.  FOLD=0
-    is the reference's order: u = (v - kn.(h * decay)) * beta, applied to kn = k * rk."""
-    if FOLD:
-        b_kh = tl.sum(b_h * b_k[:, None], 0)
-        # v - kh * (decay * rk) as one explicit FMA (ptxas would contract it anyway; pinned so
-        # that the lazy and eager kernels cannot round it differently)
-        return tl.fma(b_kh, -(decay * rk), b_v) * (beta * rk)
-    else:
-        b_kn = b_k * rk
-        return (b_v - tl.sum((b_h * decay) * b_kn[:, None], 0)) * beta
+    b_k: [BK] raw key (fp32) and rk its 1/norm; b_v: [BV]; decay, beta: scalars.  The norm and
+    the decay are folded into scalars ([BV] work only, the k.h reduction does not wait for the
+    decay multiply): u = (v - (k.h) * decay * rk) * beta * rk, to be applied to the raw k (the
+    reference's order, u = (v - kn.(h * decay)) * beta applied to kn = k * rk, was slower in every
+    cell of eb659a6's sweep: B=8 fp32 55.9 vs 50.7 µs, B=4 37.5 vs 34.8; removed in issue 22)."""
+    b_kh = tl.sum(b_h * b_k[:, None], 0)
+    # v - kh * (decay * rk) as one explicit FMA (ptxas would contract it anyway; pinned so
+    # that the lazy and eager kernels cannot round it differently)
+    return tl.fma(b_kh, -(decay * rk), b_v) * (beta * rk)
 
 
 @triton.jit
-def _rank1(b_h, b_k, rk, b_u, decay, FOLD: tl.constexpr):
+def _rank1(b_h, b_k, b_u, decay):
     """h * decay + k (x) u with the rounding pinned by explicit FMAs: a new token and its replay
     (u and decay read back from the log) run exactly these operations on the same fp32 values,
-    which is what keeps lazy and eager states bit-identical.  FOLD=0 scales k by rk first."""
-    if FOLD:
-        return tl.fma(b_h, decay, b_k[:, None] * b_u[None, :])
-    else:
-        return tl.fma((b_k * rk)[:, None], b_u[None, :], b_h * decay)
+    which is what keeps lazy and eager states bit-identical."""
+    return tl.fma(b_h, decay, b_k[:, None] * b_u[None, :])
 
 
 @triton.jit
-def _out(b_h, b_q, rq, FOLD: tl.constexpr):
+def _out(b_h, b_q, rq):
     """o = sum_k h[k, :] * q_n[k], q_n = q * rq (rq includes the query scale)."""
-    if FOLD:
-        return tl.sum(b_h * b_q[:, None], 0) * rq
-    else:
-        return tl.sum(b_h * (b_q * rq)[:, None], 0)
+    return tl.sum(b_h * b_q[:, None], 0) * rq
 
 
 @triton.jit
@@ -163,8 +152,7 @@ def gdn_verify_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     LAZY: tl.constexpr, STATE_VK: tl.constexpr,
-    VEC: tl.constexpr, PF: tl.constexpr, RG: tl.constexpr, FOLD: tl.constexpr,
-    KCVT: tl.constexpr,
+    VEC: tl.constexpr, PF: tl.constexpr, RG: tl.constexpr, KCVT: tl.constexpr,
     LR: tl.constexpr, LRW: tl.constexpr, OFF_U: tl.constexpr, OFF_D: tl.constexpr, OFF_RK: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
@@ -223,7 +211,7 @@ def gdn_verify_kernel(
         # Replay predicated in groups of RG tokens: a group's loads sit in one straight-line block
         # that the compiler hoists (latency paid once per group), at most RG - 1 wasted steps.
         # A replayed token is a pure rank-1 update from its logged k, u and decay: no gates, no
-        # k.h reduction, no key norm (FOLD=0 reads rk instead of recomputing it).
+        # k.h reduction, no key norm (u carries it).
         for g in tl.static_range(0, TL, RG):
             if r > g:
                 for j in tl.static_range(RG):
@@ -236,12 +224,8 @@ def gdn_verify_kernel(
                             l_k = l_k.to(tl.float32)
                         l_u = tl.load(pf_row + OFF_U + i_hv * V + o_v, mask=_and(m_v, m_i), other=0)
                         l_d = tl.load(pf_row + OFF_D + i_hv, mask=m_i, other=0)
-                        if FOLD:
-                            l_rk = 1.0
-                        else:
-                            l_rk = tl.load(pf_row + OFF_RK + i_h, mask=m_i, other=0)
                         # KCVT=0: converted only here, after this token's other loads were issued
-                        b_hn = _rank1(b_h, l_k.to(tl.float32), l_rk, l_u, l_d, FOLD)
+                        b_hn = _rank1(b_h, l_k.to(tl.float32), l_u, l_d)
                         b_h = tl.where(m_i, b_hn, b_h)
         # The eager path rounds here (its stored state of the last accepted token); idempotent
         # when nothing was replayed.
@@ -276,9 +260,9 @@ def gdn_verify_kernel(
         f_k = r_k.to(tl.float32)
         decay, beta = _gates(r_a, r_b, neg_exp_A, dt)
         rk = _rnorm(f_k)
-        b_u = _delta_u(b_h, f_k, rk, r_v.to(tl.float32), decay, beta, FOLD)
-        b_h = _rank1(b_h, f_k, rk, b_u, decay, FOLD)
-        b_o = _out(b_h, f_q, _rnorm(f_q) * scale, FOLD)
+        b_u = _delta_u(b_h, f_k, rk, r_v.to(tl.float32), decay, beta)
+        b_h = _rank1(b_h, f_k, b_u, decay)
+        b_o = _out(b_h, f_q, _rnorm(f_q) * scale)
         tl.store(o + ((i_b * T + t) * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if LAZY:
             # what the replay of this token needs, exactly as used above (k converts exactly:
@@ -287,6 +271,8 @@ def gdn_verify_kernel(
             pf_row = pf_lout + t * LRW
             tl.store(pf_row + OFF_U + i_hv * V + o_v, b_u, mask=m_v)
             tl.store(pf_row + OFF_D + i_hv, decay, mask=m_wab)
+            # 1/||k||: this kernel's replay does not read it (u carries it); the log row keeps the
+            # layout the torch reference writes and reads (reference.TorchGdnKernels)
             tl.store(pf_row + OFF_RK + i_h, rk, mask=m_wrk)
         else:
             i_s = tl.load(tok_idx + i_b * T + t).to(tl.int64)
@@ -380,7 +366,7 @@ def gdn_verify_fwd(
             a, b = a.contiguous(), b.contiguous()
             a, *sab = _dense(a, "a", 1)
         o = out if out is not None else torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
-    BV, num_warps, vec, pf, rg, fold, kcvt = _resolve_config(config, B, state.dtype, state_vk)
+    BV, num_warps, vec, pf, rg, kcvt = _resolve_config(config, B, state.dtype, state_vk)
     BV = min(BV, triton.next_power_of_2(V))
     grid = (triton.cdiv(V, BV), B * HV)
     gdn_verify_kernel[grid](
@@ -392,7 +378,7 @@ def gdn_verify_fwd(
         sqk[0], sqk[1], sv[0], sv[1], sab[0], sab[1], state.stride(0),
         T=T, TL=TL, H=H, HV=HV, K=K, V=V,
         BK=triton.next_power_of_2(K), BV=BV, LAZY=lazy, STATE_VK=state_vk,
-        VEC=min(vec, BV), PF=pf, RG=rg, FOLD=bool(fold), KCVT=bool(kcvt), **lay_kw,
+        VEC=min(vec, BV), PF=pf, RG=rg, KCVT=bool(kcvt), **lay_kw,
         num_warps=num_warps, num_stages=1,
     )
     return o if T else None

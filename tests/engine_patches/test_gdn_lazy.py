@@ -166,12 +166,13 @@ def test_triton_kernel_lazy_equals_eager_bit_for_bit(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.kernels
 def test_torch_twin_writes_the_kernels_log_layout() -> None:
-    """The torch twin and the Triton kernel (interpreter, FOLD=0: the twin's arithmetic) write
-    the same log rows (raw k exact; u, decay, 1/||k|| up to reduction order) and replay them to
-    the same states; the twin with an fp32 log holding the bf16 keys is bit-identical to the
-    twin with a bf16 log."""
+    """The torch twin and the Triton kernel (interpreter) write the same log rows (raw k exact;
+    decay, 1/||k|| up to reduction order; u up to reduction order once the twin's u, applied to the
+    normalised k, is scaled by 1/||k||: the kernel's u is applied to the raw k) and replay them to
+    the same states; the twin with an fp32 log holding the bf16 keys is bit-identical to the twin
+    with a bf16 log."""
     import kernels.gdn_verify as kv
-    from backend.plugin.gdn_lazy import TorchGdnKernels as tk
+    from kernels.gdn_verify.reference import TorchGdnKernels as tk
 
     B, T, h, hv, k_dim, v_dim = 2, 3, 1, 2, 16, 8
     g = torch.Generator().manual_seed(9)
@@ -185,12 +186,11 @@ def test_torch_twin_writes_the_kernels_log_layout() -> None:
         pool = base.clone()
         log = kv.gdn_log_empty(3, T, h, k_dim, hv, v_dim, log_dtype, "cpu").fill_(float("nan"))
         par = torch.zeros(1, dtype=torch.int32)
-        kw = dict(config=(8, 1, 2, 2, 4, 0)) if impl is kv else {}
         outs = []
         for n, (q, k, v, a, b) in enumerate(steps):
             replay = torch.tensor([0, 0] if n == 0 else [3, 1], dtype=torch.int32)
             outs.append(impl.fused_recurrent_gdn_verify(q, k, v, a, b, A_log, dt_bias, pool, slots, log, par,
-                                                        replay, **kw))
+                                                        replay))
             if n == 0:
                 first_log = log.clone()
             par ^= 1
@@ -201,8 +201,11 @@ def test_torch_twin_writes_the_kernels_log_layout() -> None:
     assert torch.equal(rows[..., : h * k_dim], l_t[slots.long(), 1][..., : h * k_dim])
     assert torch.equal(rows[..., : h * k_dim].view(B, T, h, k_dim), steps[0][1])
     words_k, words_t = (kv.log_view_f32(x)[slots.long(), 1] for x in (l_k, l_t))
-    for lo, n in ((lay.u, hv * v_dim), (lay.decay, hv), (lay.rk, h)):
+    for lo, n in ((lay.decay, hv), (lay.rk, h)):
         assert torch.allclose(words_k[..., lo : lo + n], words_t[..., lo : lo + n], rtol=1e-4, atol=1e-5)
+    rk_t = words_t[..., lay.rk : lay.rk + h].repeat_interleave(hv // h, -1).repeat_interleave(v_dim, -1)
+    u_t = words_t[..., lay.u : lay.u + hv * v_dim] * rk_t
+    assert torch.allclose(words_k[..., lay.u : lay.u + hv * v_dim], u_t, rtol=1e-4, atol=1e-5)
     assert torch.allclose(p_k, p_t, rtol=1e-4, atol=1e-5)
     assert torch.equal(p_t, p_f) and all(torch.equal(x, y) for x, y in zip(o_t, o_f, strict=True))
 
@@ -256,7 +259,7 @@ def _upstream_step(layers, g: torch.Generator, spec_idx: torch.Tensor | None, ac
     layer with the same inputs: a prefill chunk runs two tokens on its slot (from zeros when the
     chunk is the prompt's first); a spec row (one token, no drafts) reads column num_accepted - 1
     and stores its state into column 0, as vLLM's spec path does."""
-    from backend.plugin.gdn_lazy import TorchGdnKernels as tk
+    from kernels.gdn_verify.reference import TorchGdnKernels as tk
 
     slots = list(prefill)
     pre_in = _kernel_inputs(g, len(slots), 2)

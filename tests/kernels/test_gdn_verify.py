@@ -152,10 +152,10 @@ def test_lazy_bit_identical_to_eager(sdtype):
     _lazy_vs_eager(sdtype, 3, 4, 2, 4, 16, 12, steps)
 
 
-# (BV, num_warps, VEC, PF, RG): prefetch depths 1/3/4 with T=5 rotate the prefetch queue through
-# every slot; RG=1 and RG=8 (> TL) cover the replay-group edges; FOLD=0 the unfolded arithmetic.
-@pytest.mark.parametrize("config", [(4, 1, 2, 1, 1, 1), (8, 1, 4, 3, 8, 0), (16, 1, 4, 4, 2, 1),
-                                    (8, 1, 2, 2, 4, 1, 0)], ids=str)
+# (BV, num_warps, VEC, PF, RG[, KCVT]): prefetch depths 1/3/4 with T=5 rotate the prefetch queue
+# through every slot; RG=1 and RG=8 (> TL) cover the replay-group edges; KCVT 0 and 1.
+@pytest.mark.parametrize("config", [(4, 1, 2, 1, 1), (8, 1, 4, 3, 8, 1), (16, 1, 4, 4, 2),
+                                    (8, 1, 2, 2, 4, 0)], ids=str)
 def test_lazy_bit_identical_to_eager_configs(config):
     steps = [[5, 0, 2], [1, 5, 3], [0, 2, 5]]
     _lazy_vs_eager(torch.bfloat16, 3, 5, 1, 2, 16, 20, steps, config=config, seed=300)
@@ -294,21 +294,18 @@ def test_real_shapes_gpu(B, sdtype):
         parity ^= 1
 
 
-# Candidate tilings timed by kernels/gdn_verify/sweep.py.  Tilings with the same lane split along K
-# reduce in the same order and must give bit-identical results: [16 K-lanes] (8, 1, 4), (4, 1, 2);
-# [8 K-lanes] (8, 1, 2), (16, 1, 4) (the two defaults).
-# KCVT=0 (7th entry) and PF/RG only move instructions: bit-identical to the family reference,
-# which keeps the config's FOLD and the default KCVT.  (4, 1, 2, 4, 8, 1), (8, 1, 4, 2, 4, 1),
-# (8, 1, 2, 4, 8, 0) and (16, 1, 4, 4, 8, 0) passed at eb659a6 and compile to the same SASS
-# since; they were dropped to keep the device run's compile set small.
-GPU_CONFIGS = [(8, 1, 4, 2, 4, 0), (8, 1, 2, 4, 8, 1), (16, 1, 4, 4, 8, 1), (8, 1, 2, 4, 8, 1, 0),
-               (16, 1, 4, 4, 8, 1, 0), (8, 1, 2, 2, 4, 1, 0), (8, 1, 4, 2, 4, 0, 0), (8, 1, 2, 2, 8, 1, 0),
-               (16, 1, 4, 2, 8, 1, 0)]
+# Candidate tilings timed by kernels/gdn_verify/diag.py --sweep.  Tilings with the same lane split
+# along K reduce in the same order and must give bit-identical results: [16 K-lanes] (8, 1, 4),
+# (4, 1, 2); [8 K-lanes] (8, 1, 2), (16, 1, 4) (the two defaults).  KCVT (6th entry) and PF/RG only
+# move instructions: bit-identical to the family reference (default KCVT).  (4, 1, 2, 4, 8) passed
+# at eb659a6 and compiles to the same SASS since; dropped to keep the device run's compile set small.
+GPU_CONFIGS = [(8, 1, 4, 2, 4), (8, 1, 2, 4, 8), (16, 1, 4, 4, 8), (8, 1, 2, 4, 8, 0), (16, 1, 4, 4, 8, 0),
+               (8, 1, 2, 2, 4, 0), (8, 1, 4, 2, 4, 1), (8, 1, 2, 2, 8, 0), (16, 1, 4, 2, 8, 0)]
 
 
 def _family_ref(config):
     k_lanes = 32 // (config[0] // min(config[2], config[0]))
-    return {16: (8, 1, 4, 2, 4), 8: (8, 1, 2, 4, 8)}[k_lanes] + tuple(config[5:6])
+    return {16: (8, 1, 4, 2, 4), 8: (8, 1, 2, 4, 8)}[k_lanes]
 
 
 @pytest.mark.skipif(not CUDA, reason="real shapes need CUDA")
@@ -352,16 +349,16 @@ def test_real_shapes_log_variants_gpu(variant):
 def test_default_config_table():
     """Every batch size's default config rounds like batch 1's (the [8 K x 4 V] family), so a
     request's results do not depend on the batch it ran in; configs are (BV, num_warps, VEC, PF,
-    RG, FOLD, KCVT) from the H200 sweep in NOTES.md."""
+    RG, KCVT) from the H200 sweep in NOTES.md."""
     from kernels.gdn_verify.triton import _default_config, _resolve_config
 
     for sd in (torch.float32, torch.bfloat16, torch.float16):
         ref = _family_ref(_default_config(1, sd))
         for batch in (1, 2, 3, 4, 5, 7, 8, 16):
             cfg = _default_config(batch, sd)
-            assert len(cfg) == 7 and cfg[:3] in ((8, 1, 2), (16, 1, 4))
+            assert len(cfg) == 6 and cfg[:3] in ((8, 1, 2), (16, 1, 4))
             assert _family_ref(cfg) == ref
-        assert _default_config(8, sd, state_vk=True) == (8, 1, 4, 2, 4, 1, 1)
-    assert _resolve_config((16, 2), 1, torch.bfloat16, False) == (16, 2, 2, 4, 8, 1, 0)
+        assert _default_config(8, sd, state_vk=True) == (8, 1, 4, 2, 4, 1)
+    assert _resolve_config((16, 2), 1, torch.bfloat16, False) == (16, 2, 2, 4, 8, 0)
     with pytest.raises(ValueError):
         _resolve_config((8, 1, 4, 5), 1, torch.float32, False)

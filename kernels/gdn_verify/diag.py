@@ -1,12 +1,15 @@
-"""H200 sweep for the gdn_verify defaults: kernel tilings (BV, num_warps, VEC, PF, RG) per state dtype
-and batch, timed side by side in one run (bench.time_graph: CUDA graph, cold L2, µs per layer, ours
-lazy with all T tokens replayed).
+"""Diagnosis of the gdn_verify defaults (H200): the tiling sweep that picks ``_default_config``.
 
-    python -m kernels.gdn_verify.sweep [--batches 8,4,1] [--precompile [--gdn-only]]
+    python -m kernels.gdn_verify.diag --sweep [--batches 8,4,1]
+    python -m kernels.gdn_verify.diag --precompile [--workers 12]
 
-``--precompile`` first compiles, in parallel worker processes, every kernel variant that this sweep,
+``--sweep``: kernel tilings (BV, num_warps, VEC, PF, RG, KCVT) per state dtype and batch, timed
+side by side in one run (bench's harness: CUDA graph, cold L2, µs per layer, ours lazy with all
+T tokens replayed), the default timed again at the end of its row (same-row noise), and an
+earlier commit's triton.py (``.baseline/gdn_verify_triton.py``, bench.py's before column) first.
+``--precompile``: compiles, in parallel worker processes, every kernel variant that the sweep,
 bench.py and the GPU tests launch (Triton's on-disk cache is shared), so a lease is not spent on
-serial compiles; then it exits.
+serial compiles; then exits.
 """
 
 from __future__ import annotations
@@ -22,29 +25,23 @@ import torch
 from kernels.gdn_verify.bench import DTYPES, H, HV, K, V, case_ours, copy_bandwidth, inputs, load_baseline, time_graph
 from kernels.gdn_verify.triton import _default_config
 
-# Candidates (BV, warps, VEC, PF, RG, FOLD, KCVT) for the rank-1 replay (u logged): only the
+# Candidates (BV, warps, VEC, PF, RG, KCVT) for the rank-1 replay (u logged): only the
 # [8 K-lanes x 4 V-lanes] family ((8, 1, 2) and (16, 1, 4): the defaults' rounding at every batch),
 # prefetch depth / replay group size (RG=8: one group for the whole replay; fp32 (8,1,2,*,8)
-# compiles to 128 registers vs 163 at RG=4) and the k conversion point.  The default is timed
-# again at the end of its row (same-row noise).
+# compiles to 128 registers vs 163 at RG=4) and the k conversion point.
 CFGS = {
-    name: [(8, 1, 2, 2, 4, 1, 0), (8, 1, 2, 2, 8, 1, 0), (8, 1, 2, 4, 8, 1, 0), (8, 1, 2, 4, 8, 1, 1),
-           (8, 1, 2, 2, 8, 1, 1), (16, 1, 4, 4, 8, 1, 0), (16, 1, 4, 4, 8, 1, 1), (16, 1, 4, 2, 8, 1, 0),
-           (16, 1, 4, 2, 4, 1, 0)]
+    name: [(8, 1, 2, 2, 4, 0), (8, 1, 2, 2, 8, 0), (8, 1, 2, 4, 8, 0), (8, 1, 2, 4, 8, 1),
+           (8, 1, 2, 2, 8, 1), (16, 1, 4, 4, 8, 0), (16, 1, 4, 4, 8, 1), (16, 1, 4, 2, 8, 0),
+           (16, 1, 4, 2, 4, 0)]
     for name in ("fp32", "bf16")
 }
-# The GPU tests' extra configs (tests/kernels/test_gdn_verify.py GPU_CONFIGS).
-TEST_CFGS = [(8, 1, 4, 2, 4, 0), (8, 1, 2, 4, 8, 1), (16, 1, 4, 4, 8, 1), (8, 1, 2, 4, 8, 1, 0),
-             (16, 1, 4, 4, 8, 1, 0), (8, 1, 2, 2, 4, 1, 0), (8, 1, 4, 2, 4, 0, 0), (8, 1, 2, 2, 8, 1, 0),
-             (16, 1, 4, 2, 8, 1, 0)]
+# The GPU tests' extra configs (tests/kernels/test_gdn_verify.py GPU_CONFIGS and their family refs).
+TEST_CFGS = [(8, 1, 4, 2, 4), (8, 1, 2, 4, 8), (16, 1, 4, 4, 8), (8, 1, 2, 4, 8, 0), (16, 1, 4, 4, 8, 0),
+             (8, 1, 2, 2, 4, 0), (8, 1, 4, 2, 4, 1), (8, 1, 2, 2, 8, 0), (16, 1, 4, 2, 8, 0)]
 
 
 def _compile(job: tuple) -> str:
     """Launch one kernel variant once at real shapes (B=1) so that it lands in Triton's cache."""
-    if job[0] == "lookup":
-        from kernels.lookup_scan.bench import precompile_one
-
-        return precompile_one(job)
     from kernels.gdn_verify import gdn_log_empty
     from kernels.gdn_verify.triton import gdn_verify_fwd
 
@@ -80,9 +77,8 @@ def _compile(job: tuple) -> str:
     return f"{mode} {sd_name} {cfg} {out_dtype} vk={vk} log={log_dtype}"
 
 
-def precompile_jobs(gdn_only: bool = False) -> list[tuple]:
-    """Variants launched by bench.py, this sweep and the GPU tests (and, unless ``gdn_only``,
-    lookup_scan's bench)."""
+def precompile_jobs() -> list[tuple]:
+    """Variants launched by bench.py, the sweep and the GPU tests."""
     bf, f32 = torch.bfloat16, torch.float32
     jobs = set()
     for name, sd in DTYPES.items():
@@ -100,10 +96,6 @@ def precompile_jobs(gdn_only: bool = False) -> list[tuple]:
     for mode in ("lazy", "eager", "commit"):  # test_real_shapes_log_variants_gpu
         jobs.add((mode, "bf16", _default_config(3, torch.bfloat16, True), f32, True))
         jobs.add((mode, "fp32", _default_config(3, f32), f32, False, "fp32"))
-    if not gdn_only:
-        from kernels.lookup_scan.bench import precompile_jobs as lookup_jobs
-
-        jobs.update(lookup_jobs())
     for name in ("fp32", "bf16"):
         for cfg in TEST_CFGS:
             for mode in ("lazy", "eager", "commit"):
@@ -111,8 +103,8 @@ def precompile_jobs(gdn_only: bool = False) -> list[tuple]:
     return sorted(jobs, key=str)
 
 
-def precompile(workers: int, gdn_only: bool = False) -> None:
-    jobs = precompile_jobs(gdn_only)
+def precompile(workers: int) -> None:
+    jobs = precompile_jobs()
     t0 = time.perf_counter()
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
         for done in ex.map(_compile, jobs):
@@ -123,21 +115,22 @@ def precompile(workers: int, gdn_only: bool = False) -> None:
 
 @torch.inference_mode()
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--sweep", action="store_true")
+    mode.add_argument("--precompile", action="store_true")
     ap.add_argument("--batches", default="8,4,1")
     ap.add_argument("--T", type=int, default=8)
-    ap.add_argument("--precompile", action="store_true")
     ap.add_argument("--workers", type=int, default=12)
-    ap.add_argument("--gdn-only", action="store_true", help="precompile without lookup_scan's variants")
     args = ap.parse_args()
     if args.precompile:
-        precompile(args.workers, args.gdn_only)
+        precompile(args.workers)
         return
     T = args.T
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"copy bandwidth (read+write) {bw / 1e12:.2f} TB/s", flush=True)
-    print("sweep: ours lazy r=T, µs per layer (CUDA graph, cold L2); config BV/warps/VEC/PF/RG/FOLD/KCVT; "
+    print("sweep: ours lazy r=T, µs per layer (CUDA graph, cold L2); config BV/warps/VEC/PF/RG/KCVT; "
           "before = the .baseline kernel, same row", flush=True)
     old_fn = load_baseline(Path(".baseline"))
     for B in (int(b) for b in args.batches.split(",")):
