@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from backend.plugin.gdn_lazy import LazyGdnState, TorchGdnKernels
+from backend.plugin.gdn_lazy import LazyGdnState
+from kernels.gdn_verify.reference import TorchGdnKernels
 
 pytestmark = pytest.mark.unit
 
