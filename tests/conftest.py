@@ -24,10 +24,12 @@ if not shutil.which("nvidia-smi"):
 
 import pytest  # noqa: E402
 
+from backend import binaries
 from backend.launcher import ManagedProcess, engine_argv, engine_env, free_port, wait_healthy
 from backend.models import prepare_model
 from backend.profiles import load_profile
 from tests.engine_patches.replay import cpu_bind
+from tests.preflight import need
 
 LOG_DIR = Path(os.environ.get("HYPERHARNESS_TEST_LOGS", Path(__file__).resolve().parent.parent / ".run" / "test-logs"))
 ENGINE_START_TIMEOUT = float(os.environ.get("HYPERHARNESS_ENGINE_TIMEOUT", "600"))
@@ -129,9 +131,7 @@ def hybrid_engine(_session_engines):
 
 @pytest.fixture(scope="session")
 def redis_url():
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is not installed (.ci/run installs it: apt-get install redis-server)")
+    binary = need("redis-server")["redis-server"]  # the venv's Valkey (backend/binaries.py), else PATH's; see below
     port = free_port()
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
@@ -154,7 +154,19 @@ def redis_url():
     proc.wait(5)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # Checked per test, before any fixture: a session fixture that fails is re-raised for every test that
+    # uses it (15 identical errors for the Redis tests); here the first fails and the rest are skipped.
+    if item.get_closest_marker("redis"):
+        need("redis-server", test=item.nodeid)
+
+
 def pytest_configure(config):
+    # The venv's redis-server / node / npm (backend/binaries.py) win over the system's, for the tests and for
+    # every process they start (Pi runs on `#!/usr/bin/env node`).
+    os.environ["PATH"] = binaries.search_path()
+
     # A SIGTERM (a CI timeout, `kill`) would end pytest without fixture teardown, leaving the engines
     # (own process groups) running; as KeyboardInterrupt, pytest tears the session fixtures down.
     import signal

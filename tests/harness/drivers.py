@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness_adapters import clients
+from tests.preflight import need
 
 TURN_1 = "Reply with one short sentence: what is 2 + 2?"
 TURN_2 = "Thanks. Now reply with one short sentence: what is 3 + 3?"
@@ -128,4 +129,6 @@ DRIVERS: dict[str, Driver] = {
 
 
 def binary(name: str) -> Path:
+    if clients.CLIENTS[name].kind == "npm":  # Pi: installed by the venv's npm, run by its node (backend/binaries.py)
+        need("node", "npm")
     return clients.ensure(name)

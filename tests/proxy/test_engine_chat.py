@@ -88,7 +88,8 @@ async def smol(smol_engine: Any) -> AsyncIterator[Rig]:
         yield r
 
 
-@pytest_asyncio.fixture(loop_scope="session", scope="module", params=["memory", "redis"])
+@pytest_asyncio.fixture(loop_scope="session", scope="module",
+                        params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
 async def hybrid(request: pytest.FixtureRequest, hybrid_engine: Any) -> AsyncIterator[Rig]:
     store: SessionStore
     if request.param == "redis":

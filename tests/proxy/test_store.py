@@ -32,7 +32,7 @@ def snap(ids: list[int], parent: str | None = None) -> Snapshot:
     )
 
 
-@pytest_asyncio.fixture(params=["memory", "redis"], loop_scope="session")
+@pytest_asyncio.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)], loop_scope="session")
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[SessionStore]:
     if request.param == "memory":
         s: SessionStore = MemoryStore(max_sessions=8, ttl_s=0.5, per_session=3)
