@@ -1,6 +1,6 @@
 """The non-Python binaries the tests run (backend/binaries.py): each resolves to one copy, the venv's when it
 has one, which the test session's PATH also finds first, and it runs; and when none can be found, a test
-session fails once, naming the tool and the command that installs it, and skips the other tests that
+session fails once, naming the binary and the command that installs it, and skips the other tests that
 need it (tests/preflight.py)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("name", list(binaries.BINARIES))
-def test_tool_resolves_to_one_running_copy(name: str) -> None:
+def test_binary_resolves_to_one_running_copy(name: str) -> None:
     path = need(name)[name]
     own = binaries.binaries_dir() / name
     if own.exists():
@@ -35,7 +35,7 @@ def test_tool_resolves_to_one_running_copy(name: str) -> None:
     assert re.search(r"\d+\.\d+", out.stdout), out.stdout
 
 
-def test_missing_tool_fails_once_with_the_install_command(tmp_path: Path) -> None:
+def test_missing_binary_fails_once_with_the_install_command(tmp_path: Path) -> None:
     """A session with no redis-server anywhere (an empty binaries dir, an empty PATH): the Redis variants of
     the store tests give one failure that says what to run, and skips, not one error each."""
     empty = tmp_path / "empty"
