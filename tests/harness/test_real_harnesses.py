@@ -82,8 +82,8 @@ async def test_two_turns_one_session(name: str, rig: Rig, tmp_path: Path) -> Non
 
     infos = rig.quirk_log()[q_start:]
     assert {i.harness for i in infos} == {driver.adapter}, [i.harness for i in infos]
-    main1 = [i for i in infos[: q_mid - q_start] if i.priority == "interactive"]
-    main2 = [i for i in infos[q_mid - q_start :] if i.priority == "interactive"]
+    main1 = [i for i in infos[: q_mid - q_start] if i.priority.label == "interactive"]
+    main2 = [i for i in infos[q_mid - q_start :] if i.priority.label == "interactive"]
     assert main1 and main2
     assert main2[0].session.key == main1[-1].session.key, (main1[-1].session, main2[0].session)
 
