@@ -127,7 +127,7 @@ def _wheel_file(tool: Binary) -> Path | None:
         return None
     for f in dist.files or ():
         if str(f).endswith(tool.member):
-            return Path(dist.locate_file(f))
+            return Path(str(dist.locate_file(f)))
     return None
 
 
