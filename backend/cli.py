@@ -91,8 +91,19 @@ def replay(
 
 @models_app.command("prepare")
 def models_prepare(names: list[str] = typer.Argument(None, help="default: all"),
-                   verify: bool = typer.Option(False, help="re-hash every file of a finished build")) -> None:
-    """Build embedded models into the cache (idempotent)."""
+                   verify: bool = typer.Option(False, help="re-hash every file of a finished build"),
+                   profile: list[str] = typer.Option(None, "--profile", "-p", help="prepare this profile's "
+                                                     "checkpoint (int8 heads; repeatable; resumable)")) -> None:
+    """Build embedded models into the cache, or with --profile a GPU profile's prepared checkpoint."""
+    if profile:
+        from .models.report import prepare_profiles
+
+        try:
+            prepare_profiles([load_profile(p) for p in profile], Console())
+        except (ProfileError, ModelPrepError) as exc:
+            err.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from None
+        return
     for name in names or list(REGISTRY):
         try:
             print(prepare_model(name, deep_check=verify))

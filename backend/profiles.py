@@ -23,6 +23,25 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class DraftVocab(_Strict):
+    """The MTP drafter's vocabulary (`hyperharness models draft-vocab`): the `size` ids the model itself
+    emits most on the shipped prompt set, plus every special token; its rows of lm_head become
+    `mtp.draft_lm_head` in the prepared model (patch 0008)."""
+
+    size: int = Field(ge=256)
+    prompt_set: str = "agent"  # backend/models/prompts/<prompt_set>.jsonl
+    max_tokens: int = Field(default=256, ge=16)  # generated per prompt
+
+
+class Prepare(_Strict):
+    """`hyperharness models prepare --profile P`: int8 group-128 parts written into a prepared copy of
+    the checkpoint, which the engine serves instead of the download (backend/models/prepare.py)."""
+
+    parts: tuple[Literal["lm_head", "embed_tokens", "mtp"], ...] = ("lm_head", "embed_tokens", "mtp")
+    keep_mtp_fc: bool = False
+    draft_vocab: DraftVocab | None = None
+
+
 class ModelSource(_Strict):
     """Where the weights come from: an embedded (generated-on-first-use) model or a Hugging Face repo."""
 
@@ -32,11 +51,14 @@ class ModelSource(_Strict):
     path: Path | None = None  # an explicit local directory wins over both
     served_name: str
     shape: str | None = None  # configs/shapes/<shape>.yaml: the geometry before the weights are local
+    prepare: Prepare | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSource":
         if sum(x is not None for x in (self.embedded, self.hf_repo, self.path)) != 1:
             raise ValueError("model: give exactly one of embedded, hf_repo, path")
+        if self.prepare is not None and self.embedded is not None:
+            raise ValueError("model.prepare applies to a downloaded checkpoint (hf_repo or path), not an embedded model")
         return self
 
 
@@ -165,6 +187,17 @@ class Profile(_Strict):
     engine: Engine
     memory: Memory = Memory()
     proxy: ProxyConf = ProxyConf()
+
+    @model_validator(mode="after")
+    def _draft_vocab_has_a_drafter(self) -> "Profile":
+        prep = self.model.prepare
+        if prep is not None and prep.draft_vocab is not None:
+            spec = self.engine.speculative
+            if spec is None or spec.method != "mtp":
+                raise ValueError("model.prepare.draft_vocab is the MTP drafter's vocabulary: speculative.method must be mtp")
+            if "lm_head" not in prep.parts:
+                raise ValueError("model.prepare.draft_vocab slices the int8 lm_head: keep lm_head in model.prepare.parts")
+        return self
 
 
 class ProfileError(ValueError):

