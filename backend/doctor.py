@@ -2,7 +2,9 @@
 
 Offline checks: the vLLM version against the pin, every patch of the series applied, the plugin
 entry point registered and importable, the profile's model files present with shapes matching
-its config, and a key to serve with. `--live URL` adds: /health, /tokenize agreeing with the
+its config, and a key to serve with. On a machine with a GPU (or for a GPU profile) each card the
+profile runs on: card, driver, power limit, clocks under a few seconds of load, other processes,
+free memory against the profile's pool pin (backend/doctor_gpu.py). `--live URL` adds: /health, /tokenize agreeing with the
 proxy's renderer on a tool-using conversation, and every route but /health refusing a request
 without the key. Exit 1 when any check fails (warnings do not fail).
 """
@@ -12,6 +14,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -158,6 +161,17 @@ def check_profile(name: str) -> Checks:
         hint = "make serve prepares embedded models" if profile.model.embedded else "download it first"
         yield Check("model files", FAIL, f"{profile.model} not on disk ({hint})")
         return
+    if profile.model.prepare is not None:
+        from backend.models import ModelPrepError, prepared
+
+        try:
+            model_dir = prepared.require(profile, model_dir)
+            rep = prepared.report(model_dir)
+            worst = max((e["rel_error"] for e in rep["tensors"].values()), default=0.0)
+            yield Check("model prepared", OK, f"{model_dir}: {len(rep['tensors'])} int8 tensors, worst relative "
+                        f"error {worst:.3%} (< {rep['recipe']['max_rel_error']:.0%})")
+        except ModelPrepError as exc:
+            yield Check("model prepared", FAIL, str(exc))
     yield from check_model_dir(model_dir)
 
 
@@ -217,8 +231,11 @@ def doctor(
     profile: Annotated[str | None, typer.Option("--profile", help="profile name from configs/")] = None,
     live: Annotated[str | None, typer.Option("--live", help="engine or proxy base URL to probe")] = None,
     key_file: Annotated[Path | None, typer.Option("--key-file", help="file holding the API key")] = None,
+    gpu_load: Annotated[bool, typer.Option("--gpu-load/--no-gpu-load",
+                                           help="load each card for a few seconds to read its clocks")] = True,
 ) -> None:
-    """Check the engine install (version, patch series, plugin), a profile's model, and a live server."""
+    """Check the engine install (version, patch series, plugin), a profile's model, the GPUs it runs on,
+    and a live server."""
     key = os.environ.get("HYPERHARNESS_API_KEY") or os.environ.get("VLLM_API_KEY")
     if key_file is not None:
         key = key_file.read_text().strip()
@@ -233,6 +250,18 @@ def doctor(
             model_dir, served = _resolve_model_dir(loaded), loaded.model.served_name
         except ProfileError:
             pass
+    gpu_profile = None
+    if profile is not None:
+        from backend.profiles import ProfileError, load_profile
+
+        try:
+            gpu_profile = load_profile(profile)
+        except ProfileError:
+            pass
+    if shutil.which("nvidia-smi") or (gpu_profile is not None and gpu_profile.engine.device == "cuda"):
+        from backend.doctor_gpu import check_gpus
+
+        checks.append(lambda: check_gpus(gpu_profile, load=gpu_load))
     if live is not None:
         checks.append(lambda: check_live(live, key, model_dir, served))
     results = run(checks)

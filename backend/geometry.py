@@ -14,6 +14,11 @@ Pure arithmetic over the model's shapes and the profile, mirroring vLLM 0.32.0's
   and stores it in fp32 otherwise (platforms/cpu.py, the accelerated GDN backend's rule).
 The worst case the boot check holds against the pool: every seat resident with its state pages and a
 block of KV, and one of them at max context.
+
+Beside the pool, each card must hold the weights (from the checkpoint's headers, so a prepared
+checkpoint counts at its prepared size: backend/weights.py) and a reserve for CUDA graphs and
+activations, within `gpu_memory_utilization` of its memory. Over several cards (pipeline parallel)
+every stage is checked for its own layers, weights and share of the pool (backend/pipeline.py).
 """
 from __future__ import annotations
 
@@ -25,7 +30,10 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from . import pipeline as pp
+from .cards import CardFit, card_fits, stage_weights
 from .profiles import Profile
+from .weights import CheckpointWeights
 
 GiB = 1 << 30
 SHAPES_DIR = Path(__file__).resolve().parent.parent / "configs" / "shapes"
@@ -51,6 +59,22 @@ class ModelShape(BaseModel):
     conv_kernel: int = 0
     model_dtype: str = "bfloat16"
     default_state_dtype: str = "float32"  # HF `mamba_ssm_dtype`
+    # layer i is full attention iff (i + 1) % interval == 0 (1: every layer; 0: no regular pattern)
+    full_attention_interval: int = Field(default=0, ge=0)
+
+    @property
+    def num_layers(self) -> int:
+        return self.attn_layers + self.gdn_layers
+
+    def attention_map(self) -> list[bool]:
+        """Per layer: full attention (True) or GDN; what pipeline stages are cut from."""
+        k = self.full_attention_interval
+        if k == 0:
+            raise ValueError("this model's layer kinds follow no regular pattern; the pipeline split needs one")
+        kinds = [(i + 1) % k == 0 for i in range(self.num_layers)]
+        if sum(kinds) != self.attn_layers:
+            raise ValueError(f"full_attention_interval {k} gives {sum(kinds)} attention layers, not {self.attn_layers}")
+        return kinds
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelShape":
@@ -78,6 +102,7 @@ class ModelShape(BaseModel):
             model_dtype=dtype if dtype in _DTYPE_BYTES else "bfloat16",
             # vLLM's "auto" state dtype is the HF `mamba_ssm_dtype`, else the model dtype
             default_state_dtype=str(c.get("mamba_ssm_dtype") or dtype),
+            full_attention_interval=_interval(types),
         )
 
     @classmethod
@@ -90,6 +115,15 @@ class ModelShape(BaseModel):
         if not path.is_file():
             raise FileNotFoundError(f"no model shape {name!r} in {SHAPES_DIR}")
         return cls.model_validate(yaml.safe_load(path.read_text()))
+
+
+def _interval(types: list[str]) -> int:
+    """k such that layer i is full attention iff (i + 1) % k == 0, else 0."""
+    if "full_attention" not in types:
+        return 0
+    k = types.index("full_attention") + 1
+    ok = all((t == "full_attention") == ((i + 1) % k == 0) for i, t in enumerate(types))
+    return k if ok else 0
 
 
 def kv_bytes_per_token_layer(kv_dtype: str, kv_heads: int, head_dim: int, model_dtype: str = "bfloat16") -> int:
@@ -133,6 +167,9 @@ class Geometry:
     attn_layers: int = 0
     gdn_layers: int = 0
     spec_tokens: int = 0
+    pipeline: pp.PipelinePool | None = None  # several cards: each stage's share
+    cards: tuple[CardFit, ...] = ()  # weights + pool + reserve on each card
+    gpus_needed: int = 0  # cards the profile runs on (0: CPU)
 
     @property
     def worst_case_bytes(self) -> int:
@@ -141,8 +178,14 @@ class Geometry:
         return kv + self.seats * (self.state_bytes_per_seat + self.drafter_kv_bytes_per_seat)
 
     @property
-    def fits(self) -> bool:
+    def pool_fits(self) -> bool:
+        if self.pipeline is not None:
+            return self.pipeline.fits
         return self.worst_case_bytes <= self.budget_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.pool_fits and all(c.fits for c in self.cards)
 
     @property
     def pool_tokens(self) -> int:
@@ -152,7 +195,7 @@ class Geometry:
 
     def describe(self) -> list[tuple[str, str]]:
         mib = lambda b: f"{b / (1 << 20):,.1f} MiB"  # noqa: E731
-        return [
+        rows = [
             ("kv cache dtype", self.kv_dtype),
             ("KV bytes per token (all attention layers)", f"{self.kv_bytes_per_token:,} B"),
             ("attention block (tokens)", f"{self.block_size:,}"),
@@ -162,11 +205,20 @@ class Geometry:
             ("drafter KV per seat", mib(self.drafter_kv_bytes_per_seat)),
             ("seats (max_num_seqs)", str(self.seats)),
             ("max context", f"{self.max_model_len:,} tokens"),
-            ("worst case (all seats resident, one at max context)", mib(self.worst_case_bytes)),
-            (f"pool budget ({self.budget_source})", mib(self.budget_bytes)),
-            ("KV tokens left with every seat resident", f"{self.pool_tokens:,}"),
-            ("verdict", "fits" if self.fits else "DOES NOT FIT"),
         ]
+        if self.pipeline is None:
+            rows += [
+                ("worst case (all seats resident, one at max context)", mib(self.worst_case_bytes)),
+                (f"pool budget ({self.budget_source})", mib(self.budget_bytes)),
+                ("KV tokens left with every seat resident", f"{self.pool_tokens:,}"),
+            ]
+        else:
+            rows += [(f"GPUs (pipeline stages; pool budget per stage: {self.budget_source})", str(self.gpus_needed)),
+                     *self.pipeline.describe()]
+        for c in self.cards:
+            rows.append(c.describe(len(self.cards) > 1))
+        rows.append(("verdict", "fits" if self.fits else "DOES NOT FIT"))
+        return rows
 
 
 def cpu_has_avx512_bf16() -> bool:
@@ -192,7 +244,10 @@ def state_dtype(profile: Profile, cpu_avx512_bf16: bool | None = None) -> str:
 
 
 def compute(profile: Profile, shape: ModelShape, device_memory_bytes: int | None = None,
-            cpu_avx512_bf16: bool | None = None) -> Geometry:
+            cpu_avx512_bf16: bool | None = None, weights: CheckpointWeights | None = None,
+            drafter_weight_bytes: int | None = None) -> Geometry:
+    """The pool geometry of `profile` serving `shape`; with `weights` (the checkpoint's headers) and
+    `drafter_weight_bytes` also whether each card holds weights + pool + reserve."""
     eng = profile.engine
     if eng.dtype != "auto":  # served in another dtype than the checkpoint's: "auto" caches follow it
         shape = shape.model_copy(update={"model_dtype": eng.dtype})
@@ -211,7 +266,17 @@ def compute(profile: Profile, shape: ModelShape, device_memory_bytes: int | None
         d = eng.drafter
         tokens = min(eng.max_model_len, (d.sliding_window or eng.max_model_len) + block)
         drafter = d.layers * kv_bytes_per_token_layer("bfloat16", d.kv_heads, d.head_dim) * tokens
-    budget, source = _budget(profile, device_memory_bytes)
+    size = eng.pipeline_parallel_size
+    stages = pp.stage_layers(shape.num_layers, size, eng.env.get("VLLM_PP_LAYER_PARTITION"))
+    weights_per_stage = stage_weights(profile, weights, drafter_weight_bytes, stages)
+    budget, source = _budget(profile, device_memory_bytes, weights_per_stage[0] if size == 1 else None)
+    pipeline = None
+    if size > 1:
+        attn_groups, gdn_groups, _ = kv_groups(shape.attn_layers, shape.gdn_layers)
+        pipeline = pp.pool(stages=stages, attention=shape.attention_map(), page_bytes=block * per_layer,
+                           block_size=block, slots_per_seat=slots, seats=eng.max_num_seqs,
+                           max_model_len=eng.max_model_len, budget_bytes=budget, drafter_bytes_per_seat=drafter,
+                           attn_groups=attn_groups, gdn_groups=gdn_groups, stage_weights=weights_per_stage)
     return Geometry(
         kv_dtype=eng.kv_cache_dtype,
         kv_bytes_per_token=per_layer * shape.attn_layers,
@@ -227,10 +292,13 @@ def compute(profile: Profile, shape: ModelShape, device_memory_bytes: int | None
         attn_layers=shape.attn_layers,
         gdn_layers=shape.gdn_layers,
         spec_tokens=k,
+        pipeline=pipeline,
+        cards=card_fits(profile, device_memory_bytes, budget, weights_per_stage, drafter_weight_bytes),
+        gpus_needed=size if eng.device == "cuda" else 0,
     )
 
 
-def _budget(profile: Profile, device_memory_bytes: int | None) -> tuple[int, str]:
+def _budget(profile: Profile, device_memory_bytes: int | None, weight_bytes: int | None = None) -> tuple[int, str]:
     eng = profile.engine
     if eng.kv_cache_memory_bytes is not None:
         return eng.kv_cache_memory_bytes, "kv_cache_memory_bytes"
@@ -242,6 +310,9 @@ def _budget(profile: Profile, device_memory_bytes: int | None) -> tuple[int, str
     if mem is None:
         raise ValueError("no pool budget: set kv_cache_memory_bytes or memory.device_memory_gib")
     util = eng.gpu_memory_utilization or 0.9
+    if weight_bytes is not None:
+        return (int(mem * util - profile.memory.reserve_gib * GiB - weight_bytes),
+                "device memory × utilization − weights − reserve")
     return int(mem * util - profile.memory.reserve_gib * GiB), "device memory × utilization − reserve"
 
 
@@ -249,8 +320,33 @@ class PoolDoesNotFit(RuntimeError):
     pass
 
 
-def check(geom: Geometry) -> None:
-    if not geom.fits:
+class NotEnoughGpus(PoolDoesNotFit):
+    """The profile spans more cards than this machine shows (a kind of does-not-fit: every caller that
+    refuses a pool that does not fit refuses this too)."""
+
+
+def check(geom: Geometry, visible_gpus: int | None = None) -> None:
+    """The boot check. `visible_gpus`: the cards the engine would see (None: ask nvidia-smi and
+    CUDA_VISIBLE_DEVICES now); counted only for a profile spanning several cards."""
+    if geom.gpus_needed > 1:
+        if visible_gpus is None:
+            from .gpu import visible_count
+
+            visible_gpus = visible_count()
+        if visible_gpus < geom.gpus_needed:
+            raise NotEnoughGpus(
+                f"this profile runs pipeline parallel over {geom.gpus_needed} GPUs, and this machine shows "
+                f"{visible_gpus} GPU{'s' if visible_gpus != 1 else ''} (nvidia-smi, CUDA_VISIBLE_DEVICES); "
+                f"serve a one-card profile (gpu-long) or run it where {geom.gpus_needed} GPUs are visible"
+            )
+    if not geom.pool_fits:
+        if geom.pipeline is not None:
+            p = geom.pipeline
+            raise PoolDoesNotFit(
+                f"the KV pool cannot hold the worst case: {p.worst_case_blocks:,} block ids needed, the stages "
+                f"hold {', '.join(f'{s.blocks:,}' for s in p.stages)} (the engine keeps the smallest); "
+                f"lower max_model_len or max_num_seqs, or raise kv_cache_memory_bytes"
+            )
         raise PoolDoesNotFit(
             f"the KV pool cannot hold the worst case: {geom.seats} seats × "
             f"{geom.state_bytes_per_seat + geom.drafter_kv_bytes_per_seat:,} B of state + "
@@ -258,6 +354,15 @@ def check(geom: Geometry) -> None:
             f"{geom.worst_case_bytes:,} B > budget {geom.budget_bytes:,} B ({geom.budget_source}); "
             f"lower max_model_len or max_num_seqs, or raise the budget"
         )
+    for c in geom.cards:
+        if not c.fits:
+            gib = lambda b: f"{b / GiB:,.2f} GiB"  # noqa: E731
+            raise PoolDoesNotFit(
+                f"GPU {c.stage} cannot hold weights {gib(c.weight_bytes)} + pool {gib(c.pool_bytes)} + reserve "
+                f"{gib(c.reserve_bytes)} within {gib(c.usable_bytes)} (memory × gpu_memory_utilization); "
+                f"prepare the checkpoint (`hyperharness models prepare --profile …`: int8 heads) or lower "
+                f"kv_cache_memory_bytes"
+            )
 
 
 def kv_groups(attn_layers: int, gdn_layers: int) -> tuple[int, int, int]:
@@ -308,15 +413,21 @@ def block_view(geom: Geometry) -> BlockView:
     attn_groups, gdn_groups, size = kv_groups(geom.attn_layers, geom.gdn_layers)
     per_layer_token = geom.kv_bytes_per_token // max(1, geom.attn_layers)
     block_bytes = geom.block_size * per_layer_token * size
+    pool_blocks = geom.budget_bytes // block_bytes
+    drafter_blocks = math.ceil(geom.drafter_kv_bytes_per_seat / block_bytes)
+    if geom.pipeline is not None:  # a block id spans the stages; each stage holds its layers' pages
+        block_bytes = max(s.block_bytes for s in geom.pipeline.stages)
+        pool_blocks = geom.pipeline.blocks
+        drafter_blocks = geom.pipeline.drafter_blocks_per_seat
     return BlockView(
         group_size=size,
         attn_groups=attn_groups,
         gdn_groups=gdn_groups,
         block_size=geom.block_size,
         block_bytes=block_bytes,
-        pool_blocks=geom.budget_bytes // block_bytes,
+        pool_blocks=pool_blocks,
         state_slots_per_seat=geom.state_slots_per_seat,
-        drafter_blocks_per_seat=math.ceil(geom.drafter_kv_bytes_per_seat / block_bytes),
+        drafter_blocks_per_seat=drafter_blocks,
         spec_tokens=geom.spec_tokens,
         seats=geom.seats,
     )

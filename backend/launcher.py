@@ -46,6 +46,7 @@ def engine_argv(profile: Profile, model_path: Path | str, port: int, python: str
         "--block-size": e.block_size,
         "--gpu-memory-utilization": e.gpu_memory_utilization,
         "--kv-cache-memory-bytes": e.kv_cache_memory_bytes,
+        "--pipeline-parallel-size": e.pipeline_parallel_size if e.pipeline_parallel_size > 1 else None,
         "--mamba-cache-mode": e.mamba_cache_mode,
         "--prefix-match-unit": e.prefix_match_unit,
         "--prefix-cache-retention-interval": e.prefix_cache_retention_interval,

@@ -126,7 +126,9 @@ class Engine(_Strict):
     attention_backend: str | None = None
     block_size: int | None = Field(default=None, ge=1)
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
-    kv_cache_memory_bytes: int | None = Field(default=None, ge=1)
+    kv_cache_memory_bytes: int | None = Field(default=None, ge=1)  # per card (vLLM applies it per worker)
+    # several cards, one stage of layers each; a speculator runs on the last stage (patch 0007)
+    pipeline_parallel_size: int = Field(default=1, ge=1, le=8)
     cpu_kvcache_space_gib: int | None = Field(default=None, ge=1)
     enable_prefix_caching: bool
     mamba_cache_mode: Literal["align", "none"] | None = None
@@ -164,6 +166,8 @@ class Engine(_Strict):
             raise ValueError("a dflash speculator needs `drafter:` shapes for the pool geometry")
         if self.device == "cuda" and self.kv_cache_memory_bytes is None and self.gpu_memory_utilization is None:
             raise ValueError("a cuda profile sets kv_cache_memory_bytes or gpu_memory_utilization")
+        if self.pipeline_parallel_size > 1 and self.device != "cuda":
+            raise ValueError("pipeline_parallel_size > 1 is for GPU profiles (one stage per card)")
         return self
 
 
