@@ -112,6 +112,22 @@ def models_prepare(names: list[str] = typer.Argument(None, help="default: all"),
             raise typer.Exit(2) from None
 
 
+@models_app.command("draft-vocab")
+def models_draft_vocab(profile: str = typer.Option(..., "--profile", "-p", help="a profile with model.prepare.draft_vocab"),
+                       base_url: str = typer.Option(..., help="a running server of this model (engine or proxy)"),
+                       model: str = typer.Option(None, help="served model name (default: the profile's)"),
+                       api_key: str = typer.Option(None, envvar="HYPERHARNESS_API_KEY"),
+                       concurrency: int = typer.Option(8, min=1)) -> None:
+    """Count the model's own outputs on the shipped prompts into the MTP drafter's vocabulary."""
+    from .models.report import draft_vocab_command
+
+    try:
+        draft_vocab_command(load_profile(profile), base_url, model, api_key, concurrency, Console())
+    except (ProfileError, ModelPrepError) as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+
+
 @models_app.command("list")
 def models_list() -> None:
     from .models import model_dir

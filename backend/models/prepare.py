@@ -185,7 +185,8 @@ def _rewrite(plan: Plan, unit: Unit, out: Path, advance: Progress) -> tuple[str,
         raise
 
 
-def _link(src: Path, dst: Path) -> None:
+def link_file(src: Path, dst: Path) -> None:
+    """Hard link (symlink across file systems) `dst` to the file behind `src`."""
     dst.unlink(missing_ok=True)
     real = src.resolve()  # a Hugging Face snapshot holds symlinks into its blob store
     try:
@@ -300,7 +301,7 @@ def prepare_checkpoint(source: Path, target: Path, recipe: heads.Recipe, meta: d
                 if unit.rewrite:
                     digest, errors = _rewrite(plan, unit, staging, bar.advance)
                 else:
-                    _link(source / unit.shard, staging / unit.shard)
+                    link_file(source / unit.shard, staging / unit.shard)
                     digest, errors = sha256_file(staging / unit.shard), {}
                     bar.advance(unit.source_bytes)
                 state.record(unit.shard, {"sha256": digest, "size": (staging / unit.shard).stat().st_size,

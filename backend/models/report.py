@@ -8,7 +8,7 @@ import resource
 from rich.console import Console
 from rich.table import Table
 
-from .prepared import prepare_profile
+from .prepared import build_draft_vocab, prepare_profile
 
 
 def peak_rss_bytes() -> int:
@@ -41,3 +41,30 @@ def prepare_profiles(profiles: list, out: Console) -> None:
         gib = 1 << 30
         out.print(f"shards: {rep['source_bytes'] / gib:.2f} GiB → {rep['prepared_bytes'] / gib:.2f} GiB; "
                   f"peak RSS of this run {peak_rss_bytes() / (1 << 20):,.0f} MiB")
+
+
+def draft_vocab_table(vocab: dict) -> Table:
+    t = Table(title=f"draft vocabulary: {vocab['size']:,} ids ({len(vocab['specials'])} special)", show_header=False)
+    t.add_row("prompts counted / held out", f"{vocab['prompts']['counted']} / {vocab['prompts']['held_out']}")
+    t.add_row("output tokens counted / held out", f"{vocab['tokens']['counted']:,} / {vocab['tokens']['held_out']:,}")
+    t.add_row("distinct ids in the counted outputs", f"{vocab['distinct_ids_counted']:,}")
+    t.add_row("coverage of the held-out outputs", f"{vocab['coverage']['held_out']:.2%}")
+    t.add_row("coverage of the counted outputs", f"{vocab['coverage']['counted']:.2%}")
+    return t
+
+
+def draft_vocab_command(profile, base_url: str, model: str | None, api_key: str | None, concurrency: int,
+                        out: Console) -> None:
+    from rich.progress import Progress
+
+    from .draft_vocab import load_prompts
+    from .progress import console
+
+    total = len(load_prompts(profile.model.prepare.draft_vocab.prompt_set)) if profile.model.prepare and \
+        profile.model.prepare.draft_vocab else 0
+    with Progress(console=console) as prog:
+        task = prog.add_task("generating", total=total)
+        target, vocab = build_draft_vocab(profile, base_url, model=model, api_key=api_key, concurrency=concurrency,
+                                          progress=lambda n: prog.advance(task, n))
+    out.print(f"[bold]{profile.name}[/]: {target}")
+    out.print(draft_vocab_table(vocab))

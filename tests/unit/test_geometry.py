@@ -68,10 +68,10 @@ def test_seat_state_grows_with_k_plus_2():
     assert pages > 1
 
 
-@pytest.mark.parametrize("name", ["cpu-smol", "cpu-hybrid", "gpu-fast", "gpu-long", "gpu-huge"])
+@pytest.mark.parametrize("name", ["cpu-smol", "cpu-hybrid", "gpu-fast", "gpu-long", "gpu-huge", "gpu-mtp"])
 def test_shipped_profiles_fit(name):
     p = load_profile(name)
-    check(compute(p, ModelShape.named(p.model.shape)))
+    check(compute(p, ModelShape.named(p.model.shape)))  # gpu-pp2: tests/unit/test_pipeline.py
 
 
 @pytest.mark.parametrize("asked, avx512_bf16, block", [
