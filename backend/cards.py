@@ -40,7 +40,7 @@ class CardFit:
         gib = lambda b: f"{b / GiB:,.2f} GiB"  # noqa: E731
         key = f"GPU {self.stage} memory" if staged else "GPU memory"
         if not self.known:
-            why = "weights unknown: checkpoint not local" if self.weight_bytes is None else "device memory unknown"
+            why = "weights unknown: checkpoint not on disk" if self.weight_bytes is None else "device memory unknown"
             return key, f"not checked ({why}{'; ' + self.note if self.note else ''})"
         total = self.weight_bytes + self.pool_bytes + self.reserve_bytes
         verdict = "fits" if self.fits else "DOES NOT FIT"
@@ -77,7 +77,7 @@ def card_fits(profile: Profile, device_memory_bytes: int | None, budget: int, st
     pinned = eng.kv_cache_memory_bytes is not None
     note = ""
     if eng.speculative is not None and eng.speculative.method == "dflash" and drafter_bytes is None:
-        note = f"drafter {eng.speculative.model} not local"
+        note = f"drafter {eng.speculative.model} not on disk"
     if not pinned:  # the budget already is what is left after the weights
         return ()
     return tuple(CardFit(r, w, budget, reserve, usable, note if r == len(stage_weights) - 1 else "")
@@ -106,3 +106,23 @@ def local_weights(profile: Profile, model_path) -> tuple[CheckpointWeights | Non
             local = Path(found).parent if isinstance(found, str) else None
         drafter = total_bytes(local) if local is not None else None
     return weights, drafter
+
+
+def served_weights(profile: Profile) -> tuple[CheckpointWeights | None, int | None]:
+    """The weights the profile would serve, from disk only: the prepared copy when finished (the
+    prepared sizes), else the download; (None, None) when neither is there."""
+    if profile.model.embedded is not None:
+        return None, None
+    from .models import ModelPrepError, prepared
+
+    try:
+        source = prepared.source_dir(profile, download=False)
+    except ModelPrepError:
+        return None, None
+    served = source
+    if profile.model.prepare is not None:
+        try:
+            served = prepared.require(profile, source)
+        except ModelPrepError:
+            pass  # counted as downloaded: the card check then shows what preparing saves
+    return local_weights(profile, served)

@@ -194,35 +194,16 @@ def check_gpus(profile=None, load: bool = True) -> Iterator[Check]:
 
 
 def _needs(profile, states: list[gpu.CardState]) -> dict[int, CardNeed]:
-    """Each card's share, from the same geometry the boot check uses (weights only if on disk)."""
+    """Each card's share, from the same geometry the boot check uses (the served checkpoint's weights,
+    prepared sizes when prepared, if it is on disk)."""
     from . import geometry
-    from .cards import local_weights
 
-    shape = geometry.ModelShape.named(profile.model.shape) if profile.model.shape else None
-    if shape is None:
+    if not profile.model.shape:
         return {}
-    served = _served_dir(profile)
-    weights, drafter = local_weights(profile, served) if served is not None else (None, None)
     total = int(states[0].mem_total_mib * (1 << 20))
-    geom = geometry.compute(profile, shape, total, weights=weights, drafter_weight_bytes=drafter)
+    geom = geometry.compute(profile, geometry.ModelShape.named(profile.model.shape), total)
     util = profile.engine.gpu_memory_utilization or 0.9
     if not geom.cards:
         return {c: CardNeed(util, None, int(profile.memory.reserve_gib * (1 << 30)), None)
                 for c in range(profile.engine.pipeline_parallel_size)}
     return {c.stage: CardNeed(util, c.pool_bytes, c.reserve_bytes, c.weight_bytes) for c in geom.cards}
-
-
-def _served_dir(profile):
-    """The checkpoint the engine would load: the prepared copy when finished, else the download."""
-    from .models import ModelPrepError, prepared
-
-    try:
-        src = prepared.source_dir(profile, download=False)
-    except ModelPrepError:
-        return None
-    if profile.model.prepare is None:
-        return src
-    try:
-        return prepared.require(profile, src)
-    except ModelPrepError:
-        return src  # counted unprepared: the memory finding then says what preparing saves

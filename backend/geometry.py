@@ -31,7 +31,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import pipeline as pp
-from .cards import CardFit, card_fits, stage_weights
+from .cards import CardFit, card_fits, served_weights, stage_weights
 from .profiles import Profile
 from .weights import CheckpointWeights
 
@@ -243,12 +243,18 @@ def state_dtype(profile: Profile, cpu_avx512_bf16: bool | None = None) -> str:
     return "float32" if cpu_avx512_bf16 else dtype
 
 
+LOCAL = "local"  # compute(): read the weights of whatever the profile would serve, if it is on disk
+
+
 def compute(profile: Profile, shape: ModelShape, device_memory_bytes: int | None = None,
-            cpu_avx512_bf16: bool | None = None, weights: CheckpointWeights | None = None,
+            cpu_avx512_bf16: bool | None = None, weights: CheckpointWeights | None | str = LOCAL,
             drafter_weight_bytes: int | None = None) -> Geometry:
-    """The pool geometry of `profile` serving `shape`; with `weights` (the checkpoint's headers) and
-    `drafter_weight_bytes` also whether each card holds weights + pool + reserve."""
+    """The pool geometry of `profile` serving `shape`, and whether each card holds weights + pool +
+    reserve. `weights`: the served checkpoint's (None: unknown; LOCAL: the prepared copy if finished,
+    else the download, read from disk for a GPU profile, with its drafter's from the HF cache)."""
     eng = profile.engine
+    if weights == LOCAL:
+        weights, drafter_weight_bytes = served_weights(profile) if eng.device == "cuda" else (None, None)
     if eng.dtype != "auto":  # served in another dtype than the checkpoint's: "auto" caches follow it
         shape = shape.model_copy(update={"model_dtype": eng.dtype})
     per_layer = kv_bytes_per_token_layer(eng.kv_cache_dtype, shape.kv_heads, shape.head_dim, shape.model_dtype)

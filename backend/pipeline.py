@@ -89,7 +89,7 @@ class PipelinePool:
             where = f"layers {s.start}-{s.end - 1}: {s.attn_layers} attention + {s.gdn_layers} GDN"
             rows.append((tag, where + (" + the drafter" if s.drafter else "")))
             rows.append((f"  {tag} weights", mib(s.weight_bytes) if s.weight_bytes is not None
-                         else "checkpoint not local (`hyperharness models prepare --profile …`)"))
+                         else "checkpoint not on disk (`hyperharness models prepare --profile …` gets it)"))
             rows.append((f"  {tag} block id", f"{s.group_layers} layers × page = {s.block_bytes:,} B"))
             rows.append((f"  {tag} pool", f"{mib(s.budget_bytes)} → {s.blocks:,} block ids"))
         rows.append(("pool (the smallest stage's count)", f"{self.blocks:,} block ids × {self.block_size} tokens"))

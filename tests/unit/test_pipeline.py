@@ -150,3 +150,33 @@ def test_weights_by_stage_and_the_prepared_sizes_decide_the_card(tmp_path):
         check(before)
     check(after)
     assert dict(before.describe())["GPU memory"].endswith("DOES NOT FIT")
+
+
+def test_the_boot_check_reads_the_served_checkpoint_from_disk_prepared_or_not(tmp_path, monkeypatch):
+    """Without weights passed, compute() counts what the profile would serve: the download until it is
+    prepared, then the prepared copy (its int8 heads), so preparing is what makes this card fit."""
+    from backend.models import prepare_model
+    from backend.models.prepared import prepare_profile
+
+    tiny = prepare_model("tiny-qwen-hybrid")
+    monkeypatch.setenv("HYPERHARNESS_CACHE", str(tmp_path / "cache"))  # the prepared copy goes here
+    w = from_checkpoint(tiny)
+    pin = 64 << 20
+    text = f"""
+description: tiny-qwen-hybrid on a small card
+model: {{path: {tiny}, served_name: tiny, prepare: {{parts: [lm_head, embed_tokens]}}}}
+engine: {{device: cuda, max_model_len: 4096, max_num_seqs: 1, max_num_batched_tokens: 2048, kv_cache_dtype: auto,
+          mamba_ssm_cache_dtype: bfloat16, enable_prefix_caching: true, enforce_eager: true,
+          gpu_memory_utilization: 0.5, kv_cache_memory_bytes: {pin}}}
+memory: {{device_memory_gib: {(w.total - (40 << 20) + pin) * 2 / GiB}}}
+"""
+    path = tmp_path / "tiny-card.yaml"
+    path.write_text(text)
+    profile = load_profile(path)
+    shape = ModelShape.from_model_dir(tiny)
+    before = compute(profile, shape)
+    assert before.cards[0].weight_bytes == w.total and not before.fits
+    prepare_profile(profile, download=False)
+    after = compute(profile, shape)
+    assert after.cards[0].weight_bytes < w.total * 0.55 and after.fits  # both 248,320-row heads in int8
+    check(after)
