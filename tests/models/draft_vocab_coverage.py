@@ -4,14 +4,16 @@
         [--sizes 512,1024,2048,4096] [--max-tokens 64] [--prompt-set agent]
 
 Sends the shipped prompt set once through a running server, then for each size prints the share of
-the held-out tenth's output tokens (and the counted nine tenths') whose id the vocabulary holds, side
-by side, and one JSON line with the same figures.
+the held-out tenth's output tokens (and the counted nine tenths') whose id the vocabulary holds, beside
+the same share for as many ids in BPE rank order (the tokenizer's corpus-frequency order: what a
+vocabulary not counted from the model gives), and one JSON line with the same figures.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 from backend.models import draft_vocab as dv
@@ -32,18 +34,22 @@ def main() -> None:
     outputs = dv.collect(a.base_url, a.model, prompts, max_tokens=a.max_tokens, concurrency=a.concurrency)
     took = time.monotonic() - t0
     specials, vocab_size = dv.special_ids(a.model_dir), dv.vocab_size_of(a.model_dir)
+    held = [o for o in outputs if dv.held_out(o.prompt_id)]
     rows = []
     for size in (int(s) for s in a.sizes.split(",")):
         v = dv.build(outputs, specials, size, vocab_size, {})
+        rank = dv.coverage(set(dv.choose(Counter(), specials, size, vocab_size)), held)
         rows.append({"size": size, "held_out": v["coverage"]["held_out"], "counted": v["coverage"]["counted"],
-                     "distinct_counted": v["distinct_ids_counted"], "filled_unseen": v["filled_unseen"]})
+                     "rank_order_held_out": rank, "distinct_counted": v["distinct_ids_counted"],
+                     "filled_unseen": v["filled_unseen"]})
     v0 = dv.build(outputs, specials, rows[0]["size"], vocab_size, {})
     print(f"{a.model}: {len(prompts)} prompts ({v0['prompts']['held_out']} held out), "
           f"{v0['tokens']['counted']:,} counted / {v0['tokens']['held_out']:,} held-out output tokens, "
           f"{len(specials)} specials, vocabulary {vocab_size:,}, generation {took:.0f} s")
-    print(f"{'size':>8} {'held-out coverage':>18} {'counted coverage':>17} {'unseen fill':>12}")
+    print(f"{'size':>8} {'held-out (own outputs)':>23} {'held-out (rank order)':>22} {'counted':>9} {'unseen fill':>12}")
     for r in rows:
-        print(f"{r['size']:>8,} {r['held_out']:>18.2%} {r['counted']:>17.2%} {r['filled_unseen']:>12,}")
+        print(f"{r['size']:>8,} {r['held_out']:>23.2%} {r['rank_order_held_out']:>22.2%} {r['counted']:>9.2%} "
+              f"{r['filled_unseen']:>12,}")
     print(json.dumps({"model": a.model, "prompts": len(prompts), "tokens": v0["tokens"], "rows": rows}))
 
 
