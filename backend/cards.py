@@ -8,6 +8,7 @@ profile fit. Unknown until the checkpoint is on disk: reported, not refused.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from .profiles import Profile
@@ -33,16 +34,22 @@ class CardFit:
         return self.weight_bytes is not None and self.usable_bytes is not None
 
     @property
+    def total_bytes(self) -> int | None:
+        """weights + pool + reserve (None: weights unknown)."""
+        return None if self.weight_bytes is None else self.weight_bytes + self.pool_bytes + self.reserve_bytes
+
+    @property
     def fits(self) -> bool:
-        return not self.known or self.weight_bytes + self.pool_bytes + self.reserve_bytes <= self.usable_bytes
+        total = self.total_bytes
+        return total is None or self.usable_bytes is None or total <= self.usable_bytes
 
     def describe(self, staged: bool) -> tuple[str, str]:
         gib = lambda b: f"{b / GiB:,.2f} GiB"  # noqa: E731
         key = f"GPU {self.stage} memory" if staged else "GPU memory"
-        if not self.known:
+        total = self.total_bytes
+        if self.weight_bytes is None or total is None or self.usable_bytes is None:
             why = "weights unknown: checkpoint not on disk" if self.weight_bytes is None else "device memory unknown"
             return key, f"not checked ({why}{'; ' + self.note if self.note else ''})"
-        total = self.weight_bytes + self.pool_bytes + self.reserve_bytes
         verdict = "fits" if self.fits else "DOES NOT FIT"
         return key, (f"weights {gib(self.weight_bytes)} + pool {gib(self.pool_bytes)} + reserve "
                      f"{gib(self.reserve_bytes)} = {gib(total)} of {gib(self.usable_bytes)} usable: {verdict}"
@@ -61,8 +68,9 @@ def stage_weights(profile: Profile, weights: CheckpointWeights | None, drafter_b
         last = r == len(stages) - 1
         b = weights.stage(s, e, first=r == 0, last=last, with_mtp=spec is not None and spec.method == "mtp")
         if last and spec is not None and spec.method == "dflash":
-            b = None if drafter_bytes is None else b + drafter_bytes
-        out.append(b)
+            out.append(None if drafter_bytes is None else b + drafter_bytes)
+        else:
+            out.append(b)
     return out
 
 
@@ -71,7 +79,8 @@ def card_fits(profile: Profile, device_memory_bytes: int | None, budget: int, st
     eng = profile.engine
     if eng.device != "cuda":
         return ()
-    mem = device_memory_bytes or (int(profile.memory.device_memory_gib * GiB) if profile.memory.device_memory_gib else None)
+    gib = profile.memory.device_memory_gib
+    mem = device_memory_bytes or (int(gib * GiB) if gib else None)
     usable = int(mem * (eng.gpu_memory_utilization or 0.9)) if mem else None
     reserve = int(profile.memory.reserve_gib * GiB)
     pinned = eng.kv_cache_memory_bytes is not None
@@ -96,8 +105,8 @@ def local_weights(profile: Profile, model_path) -> tuple[CheckpointWeights | Non
     spec = profile.engine.speculative
     drafter = None
     if spec is not None and spec.method == "dflash" and spec.model:
-        local = Path(spec.model).expanduser()
-        if not local.is_dir():
+        local: Path | None = Path(spec.model).expanduser()
+        if local is None or not local.is_dir():
             try:
                 from huggingface_hub import try_to_load_from_cache
             except ImportError:
@@ -119,10 +128,8 @@ def served_weights(profile: Profile) -> tuple[CheckpointWeights | None, int | No
         source = prepared.source_dir(profile, download=False)
     except ModelPrepError:
         return None, None
-    served = source
+    served = source  # until prepared, counted as downloaded: the card check then shows what preparing saves
     if profile.model.prepare is not None:
-        try:
+        with contextlib.suppress(ModelPrepError):
             served = prepared.require(profile, source)
-        except ModelPrepError:
-            pass  # counted as downloaded: the card check then shows what preparing saves
     return local_weights(profile, served)

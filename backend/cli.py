@@ -113,7 +113,8 @@ def models_prepare(names: list[str] = typer.Argument(None, help="default: all"),
 
 
 @models_app.command("draft-vocab")
-def models_draft_vocab(profile: str = typer.Option(..., "--profile", "-p", help="a profile with model.prepare.draft_vocab"),
+def models_draft_vocab(profile: str = typer.Option(..., "--profile", "-p",
+                                                   help="a profile with model.prepare.draft_vocab"),
                        base_url: str = typer.Option(..., help="a running server of this model (engine or proxy)"),
                        model: str = typer.Option(None, help="served model name (default: the profile's)"),
                        api_key: str = typer.Option(None, envvar="HYPERHARNESS_API_KEY"),

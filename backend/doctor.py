@@ -4,12 +4,13 @@ Offline checks: the vLLM version against the pin, every patch of the series appl
 entry point registered and importable, the profile's model files present with shapes matching
 its config, and a key to serve with. On a machine with a GPU (or for a GPU profile) each card the
 profile runs on: card, driver, power limit, clocks under a few seconds of load, other processes,
-free memory against the profile's pool pin (backend/doctor_gpu.py). `--live URL` adds: /health, /tokenize agreeing with the
-proxy's renderer on a tool-using conversation, and every route but /health refusing a request
-without the key. Exit 1 when any check fails (warnings do not fail).
+free memory against the profile's pool pin (backend/doctor_gpu.py). `--live URL` adds: /health,
+/tokenize agreeing with the proxy's renderer on a tool-using conversation, and every route but
+/health refusing a request without the key. Exit 1 when any check fails (warnings do not fail).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -83,7 +84,7 @@ def check_plugin() -> Checks:
         from backend.plugin import PluginSettings
 
         settings = PluginSettings.from_env()
-    except Exception as exc:  # noqa: BLE001 - any import error is the finding
+    except Exception as exc:
         yield Check("plugin", FAIL, f"{eps[0].value}: {exc}")
         return
     yield Check("plugin", OK, f"{eps[0].value} ({settings})")
@@ -254,10 +255,8 @@ def doctor(
     if profile is not None:
         from backend.profiles import ProfileError, load_profile
 
-        try:
+        with contextlib.suppress(ProfileError):  # check_profile reports it
             gpu_profile = load_profile(profile)
-        except ProfileError:
-            pass
     if shutil.which("nvidia-smi") or (gpu_profile is not None and gpu_profile.engine.device == "cuda"):
         from backend.doctor_gpu import check_gpus
 

@@ -88,7 +88,8 @@ def findings(card: int, info: gpu.CardInfo, idle: gpu.CardState, loaded: gpu.Car
                          f"power-bound at a low limit (the seeds: a 3090 Ti at 300 -> 350 W went from 24.3 to 22.0 ms "
                          f"per step); raise it with `sudo nvidia-smi -i {card} -pl {default:.0f}`"))
     else:
-        out.append(Check(f"{name} power limit", OK, f"{limit:.0f} W (default {default or limit:.0f} W, max {top or limit:.0f} W)"))
+        out.append(Check(f"{name} power limit", OK,
+                         f"{limit:.0f} W (default {default or limit:.0f} W, max {top or limit:.0f} W)"))
     # clocks under load
     out.append(_clocks(name, card, loaded))
     # other processes
@@ -111,11 +112,13 @@ def _clocks(name: str, card: int, s: gpu.CardState | None) -> Check:
         return Check(key, WARN, "not measured (no CUDA torch in this environment to load the card)")
     if not s.sm_mhz or not s.sm_max_mhz:
         return Check(key, WARN, "the card reports no SM clock")
-    at = f"SM {s.sm_mhz:.0f} of {s.sm_max_mhz:.0f} MHz at {s.power_draw_w or 0:.0f} W of {s.power_limit_w or 0:.0f} W, {s.temp_c or 0:.0f} °C"
+    at = (f"SM {s.sm_mhz:.0f} of {s.sm_max_mhz:.0f} MHz at {s.power_draw_w or 0:.0f} W of "
+          f"{s.power_limit_w or 0:.0f} W, {s.temp_c or 0:.0f} °C")
     if s.sm_mhz >= 0.9 * s.sm_max_mhz:
         return Check(key, OK, at)
-    power_bound = s.power_draw_w is not None and s.power_limit_w and s.power_draw_w >= 0.95 * s.power_limit_w
-    if power_bound and s.power_max_w and s.power_limit_w < s.power_max_w - 0.5:
+    limit = s.power_limit_w
+    power_bound = s.power_draw_w is not None and limit is not None and s.power_draw_w >= 0.95 * limit
+    if power_bound and s.power_max_w and limit is not None and limit < s.power_max_w - 0.5:
         return Check(key, WARN, f"{at}: power-limited below the card's maximum; raise the limit "
                      f"(`sudo nvidia-smi -i {card} -pl {s.power_max_w:.0f}`)")
     if power_bound:
@@ -124,7 +127,8 @@ def _clocks(name: str, card: int, s: gpu.CardState | None) -> Check:
     if s.temp_c is not None and s.temp_c >= 85:
         return Check(key, WARN, f"{at}: thermal: improve the card's cooling or airflow")
     return Check(key, WARN, f"{at}: held below its maximum without a power or thermal cause; see "
-                 f"`nvidia-smi -i {card} -q -d PERFORMANCE` and reset locked clocks with `sudo nvidia-smi -i {card} -rgc`")
+                 f"`nvidia-smi -i {card} -q -d PERFORMANCE` and reset locked clocks with "
+                 f"`sudo nvidia-smi -i {card} -rgc`")
 
 
 def _memory(name: str, s: gpu.CardState, need: CardNeed, others: list[gpu.ComputeApp]) -> Check:
@@ -146,8 +150,9 @@ def _memory(name: str, s: gpu.CardState, need: CardNeed, others: list[gpu.Comput
     detail = (f"{g(free)} free; vLLM takes {g(wanted)}: pool pin {g(need.pool_bytes)} + reserve {g(need.reserve_bytes)}"
               + (f" + weights {g(need.weight_bytes)}" if need.weight_bytes is not None else ""))
     if parts > wanted:
+        fitting = g(max(0, wanted - parts + need.pool_bytes))
         return Check(f"{name} free memory", FAIL, f"{detail} = {g(parts)} > {g(wanted)}: lower kv_cache_memory_bytes "
-                     f"to {g(max(0, wanted - parts + need.pool_bytes))} or less (or prepare the checkpoint: int8 heads)")
+                     f"to {fitting} or less (or prepare the checkpoint: int8 heads)")
     left = wanted - parts
     if need.weight_bytes is None:
         return Check(f"{name} free memory", OK, f"{detail}; {g(left)} left for the weights (not local to count)")
@@ -164,11 +169,12 @@ def run_load(cards: list[int], seconds: float = LOAD_SECONDS, sample_after: floa
         sampled = {s.index: s for s in gpu.query_gpus() if s.index in cards}
     finally:
         outs = [p.communicate(timeout=seconds + 60) for p in procs]
-    torch_cuda = None
-    for p, (out, err) in zip(procs, outs):
+    torch_cuda: str | None = None
+    for p, (out, _) in zip(procs, outs, strict=True):
         if p.returncode != 0:  # no CUDA torch here, or the card refused: no load measurement
             return {}, None, frozenset()
-        torch_cuda = torch_cuda or (out.split() or [None])[0]
+        words = out.split()
+        torch_cuda = torch_cuda or (words[0] if words else None)
     return sampled, torch_cuda, frozenset(p.pid for p in procs)
 
 

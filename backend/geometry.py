@@ -77,7 +77,7 @@ class ModelShape(BaseModel):
         return kinds
 
     @classmethod
-    def from_hf_config(cls, config: dict) -> "ModelShape":
+    def from_hf_config(cls, config: dict) -> ModelShape:
         c = config.get("text_config", config)
         heads = c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
@@ -106,11 +106,11 @@ class ModelShape(BaseModel):
         )
 
     @classmethod
-    def from_model_dir(cls, path: Path) -> "ModelShape":
+    def from_model_dir(cls, path: Path) -> ModelShape:
         return cls.from_hf_config(json.loads((path / "config.json").read_text()))
 
     @classmethod
-    def named(cls, name: str) -> "ModelShape":
+    def named(cls, name: str) -> ModelShape:
         path = SHAPES_DIR / f"{name}.yaml"
         if not path.is_file():
             raise FileNotFoundError(f"no model shape {name!r} in {SHAPES_DIR}")
@@ -247,14 +247,17 @@ LOCAL = "local"  # compute(): read the weights of whatever the profile would ser
 
 
 def compute(profile: Profile, shape: ModelShape, device_memory_bytes: int | None = None,
-            cpu_avx512_bf16: bool | None = None, weights: CheckpointWeights | None | str = LOCAL,
+            cpu_avx512_bf16: bool | None = None, weights: CheckpointWeights | str | None = LOCAL,
             drafter_weight_bytes: int | None = None) -> Geometry:
     """The pool geometry of `profile` serving `shape`, and whether each card holds weights + pool +
     reserve. `weights`: the served checkpoint's (None: unknown; LOCAL: the prepared copy if finished,
     else the download, read from disk for a GPU profile, with its drafter's from the HF cache)."""
     eng = profile.engine
-    if weights == LOCAL:
-        weights, drafter_weight_bytes = served_weights(profile) if eng.device == "cuda" else (None, None)
+    served: CheckpointWeights | None
+    if isinstance(weights, str):  # LOCAL
+        served, drafter_weight_bytes = served_weights(profile) if eng.device == "cuda" else (None, None)
+    else:
+        served = weights
     if eng.dtype != "auto":  # served in another dtype than the checkpoint's: "auto" caches follow it
         shape = shape.model_copy(update={"model_dtype": eng.dtype})
     per_layer = kv_bytes_per_token_layer(eng.kv_cache_dtype, shape.kv_heads, shape.head_dim, shape.model_dtype)
@@ -274,7 +277,7 @@ def compute(profile: Profile, shape: ModelShape, device_memory_bytes: int | None
         drafter = d.layers * kv_bytes_per_token_layer("bfloat16", d.kv_heads, d.head_dim) * tokens
     size = eng.pipeline_parallel_size
     stages = pp.stage_layers(shape.num_layers, size, eng.env.get("VLLM_PP_LAYER_PARTITION"))
-    weights_per_stage = stage_weights(profile, weights, drafter_weight_bytes, stages)
+    weights_per_stage = stage_weights(profile, served, drafter_weight_bytes, stages)
     budget, source = _budget(profile, device_memory_bytes, weights_per_stage[0] if size == 1 else None)
     pipeline = None
     if size > 1:

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 QUERY_FIELDS = (
@@ -96,7 +97,7 @@ def _table(text: str) -> list[dict[str, str]]:
     for r in rows[1:]:
         if len(r) != len(keys):
             raise SmiError(f"nvidia-smi csv row has {len(r)} fields, its header {len(keys)}: {r}")
-        out.append({k: v.strip() for k, v in zip(keys, r)})
+        out.append({k: v.strip() for k, v in zip(keys, r, strict=True)})
     return out
 
 
@@ -106,12 +107,12 @@ def parse_query_gpu(text: str) -> list[CardState]:
         missing = [k for k in QUERY_FIELDS if k not in f]
         if missing:
             raise SmiError(f"--query-gpu output lacks {missing}")
-        n = lambda k: _number(f[k])  # noqa: E731
+        n = {k: _number(f[k]) for k in QUERY_FIELDS}
         out.append(CardState(int(f["index"]), f["name"], f["uuid"], f["driver_version"], f["pstate"],
-                             n("memory.total") or 0.0, n("memory.used") or 0.0, n("memory.free") or 0.0,
-                             n("power.draw"), n("power.limit"), n("power.max_limit"), n("clocks.current.sm"),
-                             n("clocks.current.memory"), n("clocks.max.sm"), n("clocks.max.memory"),
-                             n("temperature.gpu"), n("utilization.gpu")))
+                             n["memory.total"] or 0.0, n["memory.used"] or 0.0, n["memory.free"] or 0.0,
+                             n["power.draw"], n["power.limit"], n["power.max_limit"], n["clocks.current.sm"],
+                             n["clocks.current.memory"], n["clocks.max.sm"], n["clocks.max.memory"],
+                             n["temperature.gpu"], n["utilization.gpu"]))
     return out
 
 
@@ -119,6 +120,10 @@ def parse_compute_apps(text: str) -> list[ComputeApp]:
     """`gpu_uuid` is optional: without it a process is not tied to a card."""
     return [ComputeApp(int(f["pid"]), f.get("process_name", ""), _number(f.get("used_gpu_memory", "N/A")),
                        f.get("gpu_uuid") or None) for f in _table(text)]
+
+
+def _reading(block: ET.Element | None, tag: str) -> float | None:
+    return _number(block.findtext(tag, "N/A")) if block is not None else None
 
 
 def parse_smi_xml(text: str) -> list[CardInfo]:
@@ -130,7 +135,7 @@ def parse_smi_xml(text: str) -> list[CardInfo]:
         pw = g.find("gpu_power_readings")
         if pw is None:  # older drivers: power_readings
             pw = g.find("power_readings")
-        num = lambda tag: _number(pw.findtext(tag, "N/A")) if pw is not None else None  # noqa: E731
+        readings = pw
         events = g.find("clocks_event_reasons")
         if events is None:
             events = g.find("clocks_throttle_reasons")
@@ -140,8 +145,8 @@ def parse_smi_xml(text: str) -> list[CardInfo]:
         )
         out.append(CardInfo(
             name=g.findtext("product_name", "").strip(), uuid=g.findtext("uuid", "").strip(), driver=driver,
-            cuda=cuda, default_power_w=num("default_power_limit"), min_power_w=num("min_power_limit"),
-            max_power_w=num("max_power_limit"),
+            cuda=cuda, default_power_w=_reading(readings, "default_power_limit"),
+            min_power_w=_reading(readings, "min_power_limit"), max_power_w=_reading(readings, "max_power_limit"),
             mig=(g.findtext("mig_mode/current_mig", "") or "").strip() == "Enabled",
             persistence=(g.findtext("persistence_mode", "") or "").strip() == "Enabled",
             clock_events=active,
@@ -155,7 +160,8 @@ def smi(*args: str, timeout: float = 30) -> str:
         raise SmiError("nvidia-smi not found: no NVIDIA driver on this machine (or not on PATH)")
     res = subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout, check=False)
     if res.returncode != 0:
-        raise SmiError(f"nvidia-smi {' '.join(args)}: exit {res.returncode}: {(res.stderr or res.stdout).strip()[:300]}")
+        said = (res.stderr or res.stdout).strip()[:300]
+        raise SmiError(f"nvidia-smi {' '.join(args)}: exit {res.returncode}: {said}")
     return res.stdout
 
 
@@ -171,10 +177,9 @@ def query_info() -> list[CardInfo]:
     return parse_smi_xml(smi("-q", "-x"))
 
 
-def visible_count(env: dict[str, str] | None = None) -> int:
+def visible_count(env: Mapping[str, str] | None = None) -> int:
     """The cards vLLM will see: CUDA_VISIBLE_DEVICES if set (empty or -1: none), else nvidia-smi's."""
-    env = os.environ if env is None else env
-    visible = env.get("CUDA_VISIBLE_DEVICES")
+    visible = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         ids = [x for x in visible.split(",") if x.strip()]
         return 0 if not ids or ids[0].strip() == "-1" else len(ids)

@@ -33,7 +33,7 @@ def stage_layers(num_layers: int, size: int, partition: str | None = None) -> li
         for i in range(2, num_layers % size + 2):
             parts[-i] += 1
     starts = [sum(parts[:r]) for r in range(size)]
-    return [(s, s + p) for s, p in zip(starts, parts)]
+    return [(s, s + p) for s, p in zip(starts, parts, strict=True)]
 
 
 def _groups(layers: list[int], count: int) -> list[list[int]]:

@@ -54,11 +54,12 @@ class ModelSource(_Strict):
     prepare: Prepare | None = None
 
     @model_validator(mode="after")
-    def _one_source(self) -> "ModelSource":
+    def _one_source(self) -> ModelSource:
         if sum(x is not None for x in (self.embedded, self.hf_repo, self.path)) != 1:
             raise ValueError("model: give exactly one of embedded, hf_repo, path")
         if self.prepare is not None and self.embedded is not None:
-            raise ValueError("model.prepare applies to a downloaded checkpoint (hf_repo or path), not an embedded model")
+            raise ValueError("model.prepare applies to a downloaded checkpoint (hf_repo or path), "
+                             "not an embedded model")
         return self
 
 
@@ -88,7 +89,7 @@ class Speculative(_Strict):
     labd: LookupFusion | None = None  # ours (plugin env), never passed to vLLM
 
     @model_validator(mode="after")
-    def _labd_fits(self) -> "Speculative":
+    def _labd_fits(self) -> Speculative:
         if self.labd is not None:
             if self.method != "dflash":
                 raise ValueError("speculative.labd fuses lookup into the DFlash drafter: method must be dflash")
@@ -154,7 +155,7 @@ class Engine(_Strict):
         return self.speculative.plugin_env() if self.speculative else {"HYPERHARNESS_LABD": "0"}
 
     @model_validator(mode="after")
-    def _coherent(self) -> "Engine":
+    def _coherent(self) -> Engine:
         if self.kv_cache_dtype.endswith("_per_token_head") and self.attention_backend != "TRITON_ATTN":
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} is read only by attention_backend TRITON_ATTN")
         if self.device == "cpu" and self.speculative is not None:
@@ -193,14 +194,16 @@ class Profile(_Strict):
     proxy: ProxyConf = ProxyConf()
 
     @model_validator(mode="after")
-    def _draft_vocab_has_a_drafter(self) -> "Profile":
+    def _draft_vocab_has_a_drafter(self) -> Profile:
         prep = self.model.prepare
         if prep is not None and prep.draft_vocab is not None:
             spec = self.engine.speculative
             if spec is None or spec.method != "mtp":
-                raise ValueError("model.prepare.draft_vocab is the MTP drafter's vocabulary: speculative.method must be mtp")
+                raise ValueError("model.prepare.draft_vocab is the MTP drafter's vocabulary: "
+                                 "speculative.method must be mtp")
             if "lm_head" not in prep.parts:
-                raise ValueError("model.prepare.draft_vocab slices the int8 lm_head: keep lm_head in model.prepare.parts")
+                raise ValueError("model.prepare.draft_vocab slices the int8 lm_head: "
+                                 "keep lm_head in model.prepare.parts")
         return self
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .cache import ModelPrepError, build_lock, cache_root, fresh_staging, publish, verify_manifest, write_manifest
 
-__all__ = ["REGISTRY", "EmbeddedModel", "ModelPrepError", "prepare_model", "model_dir"]
+__all__ = ["REGISTRY", "EmbeddedModel", "ModelPrepError", "model_dir", "prepare_model"]
 
 # Bump a model's `version` when its builder's output changes, so stale caches are rebuilt rather than
 # trusted (tiny-qwen-hybrid v2: + its MTP layer; the main weights are v1's).

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from .cache import MANIFEST, build_lock, fresh_staging, publish, sha256_file
 from .heads import GROUP_NAMES
 from .prepare import INDEX, link_file
-from .safetensors_io import Planned, StreamWriter, read_header, read_rows
+from .safetensors_io import Planned, StreamWriter, TensorInfo, read_header, read_rows
 
 SHARD = "model-mtp-draft-vocab.safetensors"
 VOCAB = "draft_vocab.json"
@@ -30,7 +31,7 @@ PREFIX = "mtp.draft_lm_head"
 ROWS_PER_READ = 4096
 
 
-def _lm_head(prepared: Path) -> tuple[dict[str, tuple[Path, object]], bool]:
+def _lm_head(prepared: Path) -> tuple[dict[str, tuple[Path, TensorInfo]], bool]:
     index = json.loads((prepared / INDEX).read_text())["weight_map"]
     names = [n for n in index if n.startswith("lm_head.")]
     found = {}
@@ -44,7 +45,7 @@ def _lm_head(prepared: Path) -> tuple[dict[str, tuple[Path, object]], bool]:
     raise ValueError(f"{prepared}: no lm_head.weight or lm_head.weight_packed in its index")
 
 
-def _rows(path: Path, info, ids: list[int]):
+def _rows(path: Path, info: TensorInfo, ids: list[int]) -> Iterator[torch.Tensor]:
     """The `ids` rows of a tensor (ids ascending), chunk by chunk: yields [k, ...] tensors in order."""
     i = 0
     rows = info.shape[0]
@@ -105,6 +106,7 @@ def add_draft_head(prepared: Path, vocab: dict, target: Path) -> Path:
             (staging / name).write_text(json.dumps(data, indent=2) + "\n")
             files[name] = sha256_file(staging / name)
         meta = {**manifest.get("meta", {}), "draft_vocab": {"size": len(ids), **vocab.get("coverage", {})}}
-        (staging / MANIFEST).write_text(json.dumps({"meta": meta, "files": dict(sorted(files.items()))}, indent=2) + "\n")
+        manifest = {"meta": meta, "files": dict(sorted(files.items()))}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         publish(staging, target)
     return target

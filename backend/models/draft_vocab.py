@@ -57,7 +57,8 @@ class Output:
 
 
 def collect(base_url: str, model: str, prompts: list[dict], *, max_tokens: int, api_key: str | None = None,
-            concurrency: int = 8, timeout: float = 600.0, progress: Callable[[int], None] | None = None) -> list[Output]:
+            concurrency: int = 8, timeout: float = 600.0,
+            progress: Callable[[int], None] | None = None) -> list[Output]:
     """Each prompt's completion token ids from a running vLLM (or the proxy) at `base_url`."""
     import httpx
 

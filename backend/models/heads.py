@@ -31,7 +31,8 @@ PARTS = ("lm_head", "embed_tokens", "mtp")
 TARGETS = {
     "lm_head": r"(.*\.)?lm_head",
     "embed_tokens": r"(.*\.)?embed_tokens",
-    "mtp": r"mtp\.(fc|layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|mlp\.shared_expert\.(gate|up|down)_proj))",
+    "mtp": (r"mtp\.(fc|layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
+            r"|mlp\.shared_expert\.(gate|up|down)_proj))"),
 }
 GROUP_NAMES = {"lm_head": "hh_int8_lm_head", "embed_tokens": "hh_int8_embed_tokens", "mtp": "hh_int8_mtp"}
 _MTP_FC = re.compile(r"mtp\.fc$")

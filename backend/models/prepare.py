@@ -282,7 +282,7 @@ def _finish(plan: Plan, staging: Path, state: _State, meta: dict) -> dict:
 
 
 def prepare_checkpoint(source: Path, target: Path, recipe: heads.Recipe, meta: dict | None = None,
-                       progress: "ProgressSink | None" = None) -> dict:
+                       progress: ProgressSink | None = None) -> dict:
     """Prepare `source` into `target` (resuming an interrupted run); return the report."""
     from .cache import build_lock, publish
 

@@ -72,7 +72,8 @@ def require(profile, source: Path) -> Path:
     target = prepared_dir(profile, source)
     if not verify_manifest(target):
         raise ModelPrepError(
-            f"profile {profile.name} serves a prepared copy of {source} (int8 {', '.join(profile.model.prepare.parts)}); "
+            f"profile {profile.name} serves a prepared copy of {source} "
+            f"(int8 {', '.join(profile.model.prepare.parts)}); "
             f"run `hyperharness models prepare --profile {profile.name}` first (resumable)")
     dv_dir = draft_vocab_dir(profile, source)
     if dv_dir is not None and not verify_manifest(dv_dir):
@@ -121,9 +122,12 @@ def build_draft_vocab(profile, base_url: str, *, model: str | None = None, api_k
     prompts = load_prompts(dv.prompt_set)
     outputs = collect(base_url, model or profile.model.served_name, prompts, max_tokens=dv.max_tokens,
                       api_key=api_key, concurrency=concurrency, progress=progress)
-    vocab = build(outputs, special_ids(base), dv.size, vocab_size_of(base), {"prompt_set": dv.prompt_set, "max_tokens": dv.max_tokens,
-                                                        "base_url": base_url, "model": str(base)})
+    meta = {"prompt_set": dv.prompt_set, "max_tokens": dv.max_tokens, "base_url": base_url, "model": str(base)}
+    vocab = build(outputs, special_ids(base), dv.size, vocab_size_of(base), meta)
     path = draft_vocab_file(profile, src)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(vocab) + "\n")
-    return add_draft_head(base, vocab, draft_vocab_dir(profile, src)), vocab
+    target = draft_vocab_dir(profile, src)
+    if target is None:  # unreachable: the profile has a draft_vocab (checked above)
+        raise ModelPrepError(f"profile {profile.name} has no model.prepare.draft_vocab")
+    return add_draft_head(base, vocab, target), vocab

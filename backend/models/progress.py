@@ -11,7 +11,7 @@ console = Console(stderr=True)
 
 
 @contextlib.contextmanager
-def steps(title: str, names: list[str]) -> Iterator["Stepper"]:
+def steps(title: str, names: list[str]) -> Iterator[Stepper]:
     with Progress(
         SpinnerColumn(),
         TextColumn(f"[bold]{title}[/] {{task.description}}"),

@@ -21,6 +21,7 @@ import importlib.util
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from .cache import ModelPrepError, sha256_file
 from .progress import steps
@@ -58,7 +59,8 @@ def _tokenizer_package():
 def model_config():
     from transformers import Qwen3NextConfig
 
-    return Qwen3NextConfig(
+    # a dict: transformers' config takes these at run time, its typed signature does not list them all
+    kwargs: dict[str, Any] = dict(
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=256,
@@ -88,12 +90,13 @@ def model_config():
         eos_token_id=248046,
         pad_token_id=248044,
     )
+    return Qwen3NextConfig(**kwargs)
 
 
 def _write_tokenizer(out: Path, qt, ranks: Path) -> None:
+    from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
-    from tokenizers import AddedToken
 
     specials = [tok for _, tok in qt.QWEN3_5_SPECIAL_TOKENS]
     backend = TikTokenConverter(vocab_file=str(ranks), pattern=qt.QWEN3_5_PAT_STR).converted()

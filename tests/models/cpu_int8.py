@@ -19,7 +19,6 @@ from __future__ import annotations
 import inspect
 
 import torch
-
 from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearKernel, MPLinearLayerConfig
 from vllm.scalar_type import scalar_types
 
@@ -71,6 +70,6 @@ def interpret_embedding_kernel() -> None:
     src = inspect.getsource(cte).replace(
         "from vllm.triton_utils import tl, triton", "import triton\nimport triton.language as tl")
     namespace: dict = {"__name__": cte.__name__, "__file__": cte.__file__}
-    exec(compile(src, cte.__file__, "exec"), namespace)  # noqa: S102
+    exec(compile(src, cte.__file__, "exec"), namespace)
     cte._dequant_gather_kernel = namespace["_dequant_gather_kernel"]
     cte._dequant_gather_triton = namespace["_dequant_gather_triton"]

@@ -46,7 +46,8 @@ def main() -> None:
     print(f"{a.model}: {len(prompts)} prompts ({v0['prompts']['held_out']} held out), "
           f"{v0['tokens']['counted']:,} counted / {v0['tokens']['held_out']:,} held-out output tokens, "
           f"{len(specials)} specials, vocabulary {vocab_size:,}, generation {took:.0f} s")
-    print(f"{'size':>8} {'held-out (own outputs)':>23} {'held-out (rank order)':>22} {'counted':>9} {'unseen fill':>12}")
+    print(f"{'size':>8} {'held-out (own outputs)':>23} {'held-out (rank order)':>22} {'counted':>9} "
+          f"{'unseen fill':>12}")
     for r in rows:
         print(f"{r['size']:>8,} {r['held_out']:>23.2%} {r['rank_order_held_out']:>22.2%} {r['counted']:>9.2%} "
               f"{r['filled_unseen']:>12,}")

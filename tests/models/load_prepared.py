@@ -61,7 +61,8 @@ def main(prepared: Path, original: Path) -> dict:
 
     out = llm.generate(["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"],
                        SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0]
-    return {"kinds": kinds, "embed_rel_error": rel(emb, ref_emb), "logits_rel_error": rel(logits[:, :vocab], ref_logits),
+    return {"kinds": kinds, "embed_rel_error": rel(emb, ref_emb),
+            "logits_rel_error": rel(logits[:, :vocab], ref_logits),
             "argmax_agree": float((logits[:, :vocab].argmax(-1) == ref_logits.argmax(-1)).float().mean()),
             "generated": list(out.token_ids)}
 

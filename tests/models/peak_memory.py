@@ -31,7 +31,8 @@ def make_source(src: Path, rows: int, cols: int) -> None:
         w = torch.empty(rows, cols, dtype=torch.bfloat16)
         for r in range(0, rows, 4096):  # filled in slices: this child's own peak stays small too
             w[r:r + 4096] = torch.randn(min(4096, rows - r), cols, generator=gen) * 0.02
-        save_file({big: w, small: torch.ones(cols, dtype=torch.bfloat16)}, str(src / f"model-0000{i}-of-00002.safetensors"))
+        shard = src / f"model-0000{i}-of-00002.safetensors"
+        save_file({big: w, small: torch.ones(cols, dtype=torch.bfloat16)}, str(shard))
         del w
     (src / "config.json").write_text(json.dumps({"architectures": ["Qwen3NextForCausalLM"], "torch_dtype": "bfloat16",
                                                  "hidden_size": cols, "vocab_size": rows}))
@@ -75,8 +76,9 @@ def main() -> None:
         print(json.dumps(measure(src, out)), flush=True)
         return
     if not (src / "config.json").is_file():
-        subprocess.run([sys.executable, "-c", f"from tests.models.peak_memory import make_source; from pathlib import Path;"
-                        f" make_source(Path({str(src)!r}), {a.rows}, {a.cols})"], check=True)
+        make = f"from tests.models.peak_memory import make_source; from pathlib import Path; " \
+               f"make_source(Path({str(src)!r}), {a.rows}, {a.cols})"
+        subprocess.run([sys.executable, "-c", make], check=True)
     res = subprocess.run([sys.executable, "-m", "tests.models.peak_memory", str(a.dir), "--measure"],
                          check=True, capture_output=True, text=True)
     print(res.stdout.strip().splitlines()[-1])

@@ -25,7 +25,6 @@ def main(model_dir: Path, out: Path, size: int, rank: int, port: int) -> None:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     import torch
     from torch import nn
-
     from vllm.config import CompilationConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import get_pp_group, init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM

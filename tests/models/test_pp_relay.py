@@ -41,5 +41,5 @@ def test_two_stages_relay_the_drafters_hidden_states_exactly(tmp_path):
     assert two["sent_keys"] == ["aux_hidden_states_0", "aux_hidden_states_1", "hidden_states", "residual"]
     assert len(one["aux"]) == len(two["aux"]) == 3
     assert torch.equal(one["hidden"], two["hidden"])
-    for a, b in zip(one["aux"], two["aux"]):
+    for a, b in zip(one["aux"], two["aux"], strict=True):
         assert torch.equal(a, b)

@@ -51,6 +51,10 @@ def _checkpoint(d: Path, shards: dict[str, dict[str, torch.Tensor]], config: dic
     return d
 
 
+def _normal(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    return (torch.randn(rows, cols, generator=gen) * 0.02).bfloat16()
+
+
 def test_int8_group128_roundtrip_has_no_clipping():
     w = torch.randn(300, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16) * 0.02
     w[7, 3] = 0.5  # an outlier owns its group's scale; the others keep theirs
@@ -108,7 +112,8 @@ def test_tiny_prepare_error_table_bound_and_untouched_tensors(prepared_tiny, tin
     for name, (f, info) in src.items():
         if name in report["tensors"]:
             base = name.removesuffix(".weight")
-            assert name not in got and {f"{base}.weight_packed", f"{base}.weight_scale", f"{base}.weight_shape"} <= set(got)
+            assert name not in got
+            assert {f"{base}.weight_packed", f"{base}.weight_scale", f"{base}.weight_shape"} <= set(got)
             assert read_tensor(*got[f"{base}.weight_shape"]).tolist() == list(info.shape)
         else:  # everything else is carried byte for byte
             assert torch.equal(read_tensor(*got[name]), read_tensor(f, info)), name
@@ -134,7 +139,8 @@ def test_vllm_reads_the_groups_for_every_model_naming(prepared_tiny):
                  "mtp.layers.0.mlp.shared_expert.gate_up_proj"):
         w = cfg.get_scheme_dict(module, name)["weights"]
         assert (w.num_bits, w.group_size, w.symmetric, w.strategy) == (8, 128, True, "group"), name
-    for name in ("model.layers.3.self_attn.qkv_proj", "mtp.layers.0.mlp.shared_expert.down_proj", "model.layers.0.linear_attn.out_proj"):
+    for name in ("model.layers.3.self_attn.qkv_proj", "mtp.layers.0.mlp.shared_expert.down_proj",
+                 "model.layers.0.linear_attn.out_proj"):
         assert cfg.get_scheme_dict(module, name) is None, name
 
 
@@ -210,10 +216,10 @@ class _Interrupt(ProgressSink):
 def test_an_interrupted_run_resumes_without_redoing_finished_shards(tmp_path, tiny):
     gen = torch.Generator().manual_seed(3)
     src = _checkpoint(tmp_path / "src", {
-        "model-00001-of-00003.safetensors": {"model.embed_tokens.weight": (torch.randn(512, 256, generator=gen) * 0.02).bfloat16(),
+        "model-00001-of-00003.safetensors": {"model.embed_tokens.weight": _normal(512, 256, gen),
                                              "model.layers.0.x.weight": torch.randn(8, 8).bfloat16()},
         "model-00002-of-00003.safetensors": {"model.layers.1.x.weight": torch.randn(8, 8).bfloat16()},
-        "model-00003-of-00003.safetensors": {"lm_head.weight": (torch.randn(512, 256, generator=gen) * 0.02).bfloat16()},
+        "model-00003-of-00003.safetensors": {"lm_head.weight": _normal(512, 256, gen)},
     })
     first = _Interrupt(stop_at="model-00003-of-00003.safetensors")
     with pytest.raises(KeyboardInterrupt):
@@ -223,7 +229,8 @@ def test_an_interrupted_run_resumes_without_redoing_finished_shards(tmp_path, ti
     report = prepare_checkpoint(src, tmp_path / "out", heads.Recipe(), progress=second)
     assert second.skipped == first.started and second.started == ["model-00003-of-00003.safetensors"]
     # the untouched shard is a link to the source, not a copy
-    assert os.path.samefile(tmp_path / "out" / "model-00002-of-00003.safetensors", src / "model-00002-of-00003.safetensors")
+    shard = "model-00002-of-00003.safetensors"
+    assert os.path.samefile(tmp_path / "out" / shard, src / shard)
     straight = prepare_checkpoint(src, tmp_path / "straight", heads.Recipe())
     files = lambda d: json.loads((d / "manifest.json").read_text())["files"]  # noqa: E731
     assert files(tmp_path / "out") == files(tmp_path / "straight")
@@ -268,7 +275,8 @@ engine: {{device: cuda, max_model_len: 4096, max_num_seqs: 1, max_num_batched_to
     runner = CliRunner()
     first = runner.invoke(app, ["models", "prepare", "--profile", str(profile)], terminal_width=200)
     assert first.exit_code == 0, first.output
-    assert "lm_head.weight" in first.output and "model.embed_tokens.weight" in first.output and "peak RSS" in first.output
+    for shown in ("lm_head.weight", "model.embed_tokens.weight", "peak RSS"):
+        assert shown in first.output
     prepared = [d for d in (tmp_path / "cache" / "prepared").iterdir() if not d.name.startswith(".")]
     assert len(prepared) == 1 and verify_manifest(prepared[0])
     again = runner.invoke(app, ["models", "prepare", "--profile", str(profile)], terminal_width=200)

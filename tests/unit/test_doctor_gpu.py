@@ -68,7 +68,7 @@ def test_a_torch_newer_than_the_driver_fails_with_the_fix():
 
 
 def test_a_lowered_power_limit_is_named_with_the_command():
-    info, idle, load, apps = _h200()
+    info, _, _, apps = _h200()
     # edit: the limit set to 450 W (`nvidia-smi -pl 450`), in both readings
     low = lambda t: t.replace("700.00 W, 700.00 W", "450.00 W, 700.00 W").replace("691.20 W", "447.90 W")  # noqa: E731
     _, idle_low, load_low, _ = _h200(idle=low(_text("query-gpu-idle.csv")), load=low(_text("query-gpu-load.csv")))
@@ -79,7 +79,7 @@ def test_a_lowered_power_limit_is_named_with_the_command():
 
 
 def test_clocks_held_without_a_cause_and_thermal():
-    info, idle, load, apps = _h200()
+    info, idle, _, apps = _h200()
     # edit: the same 1500 MHz at 300 W (far from the limit) and 55 °C: not power, not heat
     cool = _text("query-gpu-load.csv").replace("691.20 W", "300.00 W")
     got = _by_name(findings(0, info, idle, gpu.parse_query_gpu(cool)[0], apps, None))
@@ -98,7 +98,8 @@ def test_another_process_on_the_card_is_named_unless_it_is_our_load():
     busy = gpu.parse_compute_apps(_text("compute-apps-load.csv"))  # pid 504, the recording's own load
     got = _by_name(findings(0, info, idle, load, busy, None))
     assert got["gpu 0 processes"].status == WARN
-    assert "pid 504 python3 (1,002 MiB)" in got["gpu 0 processes"].detail and "kill 504" in got["gpu 0 processes"].detail
+    detail = got["gpu 0 processes"].detail
+    assert "pid 504 python3 (1,002 MiB)" in detail and "kill 504" in detail
     got = _by_name(findings(0, info, idle, load, busy, None, own_pids=frozenset({504})))
     assert got["gpu 0 processes"].status == OK
 

@@ -60,7 +60,7 @@ def test_seat_state_grows_with_k_plus_2():
     g7, g15 = seat(7), seat(15)
     # the page count scales exactly as (k+2): 17/9 = 1.89, the seeds' 1.66/0.88 GiB
     assert g7.state_slots_per_seat == 9 and g15.state_slots_per_seat == 17
-    assert 17 / 9 == pytest.approx(1.66 / 0.88, rel=0.01)
+    assert pytest.approx(1.66 / 0.88, rel=0.01) == 17 / 9
     # vLLM 0.32 also widens each page's conv state by k columns (gated_delta_net_state_shape), which
     # the seeds' 0.27 figures did not: the bytes grow by the page ratio on top.
     pages = g15.state_page_bytes / g7.state_page_bytes

@@ -51,7 +51,7 @@ def test_stage_block_ids_are_vllms_projected_groups(partition):
                          slots_per_seat=9, seats=1, max_model_len=4096, budget_bytes=GiB, drafter_bytes_per_seat=0,
                          attn_groups=a, gdn_groups=g, stage_weights=[None, None])
     assert len(groups) == a + g
-    for stage, (s, e) in zip(ours.stages, stages):
+    for stage, (s, e) in zip(ours.stages, stages, strict=True):
         worker = {n: sp for n, sp in specs.items() if s <= int(n.split(".")[2]) < e}
         projected = u._project_kv_cache_groups_to_worker(groups, worker)
         assert stage.group_layers == max(len(gr.layer_names) for gr in projected)
