@@ -106,6 +106,20 @@ class Speculative(_Strict):
         return self.labd.to_env() if self.labd is not None else {"HYPERHARNESS_LABD": "0"}
 
 
+class PluginSwitches(_Strict):
+    """Which of our kernels the engine's plugin routes to (backend/plugin, read by every vLLM process
+    from HYPERHARNESS_* variables). Each is on only where the H200 measurements say it pays, in vLLM's
+    own layers (tests/gpu/NOTES.md): verify attention 140x vLLM's at 100K T=8; the lazy GDN commit
+    slower than vLLM's own GDN core today (121 vs 35 us per layer), so off."""
+
+    verify_attention: bool = False  # T>1 batches on the int8 per-token-head cache -> kernels.verify_attention
+    gdn_lazy: bool = False  # lazy GDN state commit -> kernels.gdn_verify (needs patch 0003 in align mode)
+
+    def to_env(self) -> dict[str, str]:
+        return {"HYPERHARNESS_VERIFY_ATTN": str(int(self.verify_attention)),
+                "HYPERHARNESS_GDN_LAZY": str(int(self.gdn_lazy))}
+
+
 class Drafter(_Strict):
     """Shapes of the drafter's own attention cache (for the pool geometry)."""
 
@@ -147,12 +161,14 @@ class Engine(_Strict):
     compilation_config: dict | None = None
     speculative: Speculative | None = None
     drafter: Drafter | None = None
+    plugin: PluginSwitches = PluginSwitches()
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = Field(default_factory=dict)
 
     def plugin_env(self) -> dict[str, str]:
         """The HYPERHARNESS_* switches this profile sets for our vLLM plugin (before `env`)."""
-        return self.speculative.plugin_env() if self.speculative else {"HYPERHARNESS_LABD": "0"}
+        labd = self.speculative.plugin_env() if self.speculative else {"HYPERHARNESS_LABD": "0"}
+        return {**labd, **self.plugin.to_env()}
 
     @model_validator(mode="after")
     def _coherent(self) -> Engine:
@@ -167,6 +183,8 @@ class Engine(_Strict):
             raise ValueError("a dflash speculator needs `drafter:` shapes for the pool geometry")
         if self.device == "cuda" and self.kv_cache_memory_bytes is None and self.gpu_memory_utilization is None:
             raise ValueError("a cuda profile sets kv_cache_memory_bytes or gpu_memory_utilization")
+        if self.plugin.verify_attention and (self.device != "cuda" or self.kv_cache_dtype != "int8_per_token_head"):
+            raise ValueError("plugin.verify_attention serves the int8_per_token_head cache on CUDA only")
         if self.pipeline_parallel_size > 1 and self.device != "cuda":
             raise ValueError("pipeline_parallel_size > 1 is for GPU profiles (one stage per card)")
         return self

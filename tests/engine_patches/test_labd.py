@@ -58,7 +58,11 @@ def test_settings_from_env_and_the_profile_switch() -> None:
     env = load_profile("gpu-fast").engine.plugin_env()
     assert env["HYPERHARNESS_LABD"] == "1"
     assert LabdSettings.from_env(env) == LabdSettings(enabled=True, min_n=4, max_n=16, agree=0)
-    assert load_profile("cpu-smol").engine.plugin_env() == {"HYPERHARNESS_LABD": "0"}
+    assert load_profile("cpu-smol").engine.plugin_env() == {"HYPERHARNESS_LABD": "0", "HYPERHARNESS_VERIFY_ATTN": "0",
+                                                            "HYPERHARNESS_GDN_LAZY": "0"}
+    # the int8 per-token-head profile routes verify batches to our kernel; the lazy GDN commit stays off
+    long_env = load_profile("gpu-long").engine.plugin_env()
+    assert (long_env["HYPERHARNESS_VERIFY_ATTN"], long_env["HYPERHARNESS_GDN_LAZY"]) == ("1", "0")
     # never reaches vLLM's --speculative-config
     assert "labd" not in load_profile("gpu-fast").engine.speculative.to_json()
     with pytest.raises(ValueError, match="must be 0 or 1"):
