@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.hyperharness-stamp
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test venv models clean-venv
+.PHONY: serve test lint venv models clean-venv
 
 venv: $(STAMP)
 
@@ -28,7 +28,12 @@ models: venv
 serve: venv
 	$(VENV)/bin/hyperharness serve $(ARGS)
 
-test: venv
+# Lint first: ruff (style, import order) and mypy on the product packages; a new violation fails CI.
+lint: venv
+	$(VENV)/bin/ruff check proxy backend harness_adapters
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean-venv:

@@ -128,6 +128,10 @@ class ManagedProcess:
         log.close()
 
     @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.returncode
+
+    @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -159,7 +163,7 @@ async def wait_healthy(url: str, proc: ManagedProcess, timeout: float, on_tick=N
         while True:
             elapsed = time.monotonic() - start
             if not proc.alive:
-                raise EngineError(f"{proc.name} exited (code {proc.proc.returncode}); log tail:\n{proc.log_tail()}")
+                raise EngineError(f"{proc.name} exited (code {proc.returncode}); log tail:\n{proc.log_tail()}")
             try:
                 if (await client.get(url)).status_code == 200:
                     return

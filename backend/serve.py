@@ -77,12 +77,15 @@ def resolve_model(profile: Profile, *, prepare: bool) -> Path:
         return m.path
     if m.embedded is not None:
         return prepare_model(m.embedded) if prepare else model_dir(m.embedded)
+    repo = m.hf_repo
+    if repo is None:  # the profile's validator allows no fourth source
+        raise ServeError(f"profile {profile.name}: model names no source")
     if not prepare:
-        return Path(m.hf_repo)  # vLLM accepts a repo id; `serve` downloads it first
+        return Path(repo)  # vLLM accepts a repo id; `serve` downloads it first
     from huggingface_hub import snapshot_download
 
-    console.print(f"downloading {m.hf_repo} with huggingface_hub (resumable)…")
-    return Path(snapshot_download(m.hf_repo, revision=m.hf_revision))
+    console.print(f"downloading {repo} with huggingface_hub (resumable)…")
+    return Path(snapshot_download(repo, revision=m.hf_revision))
 
 
 def model_shape(profile: Profile, model_path: Path) -> geometry.ModelShape:
@@ -205,7 +208,7 @@ async def run(p: ServePlan, health_timeout: float = 900.0) -> int:
         while not stop.is_set():
             for child in (engine, proxy):
                 if not child.alive:
-                    console.print(f"[red]{child.name} exited (code {child.proc.returncode}); stopping[/]\n"
+                    console.print(f"[red]{child.name} exited (code {child.returncode}); stopping[/]\n"
                                   f"{child.log_tail()}")
                     return 1
             with contextlib.suppress(TimeoutError):
@@ -242,9 +245,10 @@ def _print_ready(p: ServePlan, seconds: float, logs: Path) -> None:
     out.print(f"[bold green]ready[/] in {seconds:.1f}s — model [bold]{p.profile.model.served_name}[/]")
     out.print(f"base URL: {base}")
     if p.key:
-        out.print(f"API key:  {p.key_source}")
-        auth = '-H "Authorization: Bearer $HYPERHARNESS_API_KEY" ' if p.key_source.startswith("$") else \
-            f'-H "Authorization: Bearer $(cat {p.key_source.split(" ")[0]})" '
+        source = p.key_source or ""
+        out.print(f"API key:  {source}")
+        auth = '-H "Authorization: Bearer $HYPERHARNESS_API_KEY" ' if source.startswith("$") else \
+            f'-H "Authorization: Bearer $(cat {source.split(" ")[0]})" '
     else:
         out.print("API key:  none (listening on 127.0.0.1 only)")
         auth = ""

@@ -13,10 +13,10 @@ weights, same projections).  Only the recurrent core of a step changes:
   non-spec slots, then runs upstream unchanged.
 
 On CPU engines the kernel calls go to `kernels.gdn_verify.reference.TorchGdnKernels` (the same
-contract in plain torch): Triton's interpreter takes seconds per call at head size 128.  The unit tests drive the
-Triton kernel itself through the interpreter (`HYPERHARNESS_GDN_KERNEL=triton`).  `HYPERHARNESS_GDN_LAZY_EAGER=1` (tests only) runs the same
-bookkeeping with the eager twin of the kernel (vLLM's per-token storing, same arithmetic), the
-reference the lazy path must match token for token.
+contract in plain torch): Triton's interpreter takes seconds per call at head size 128.  The unit tests drive
+the Triton kernel itself through the interpreter (`HYPERHARNESS_GDN_KERNEL=triton`).
+`HYPERHARNESS_GDN_LAZY_EAGER=1` (tests only) runs the same bookkeeping with the eager twin of the kernel
+(vLLM's per-token storing, same arithmetic), the reference the lazy path must match token for token.
 """
 from __future__ import annotations
 

@@ -176,7 +176,7 @@ class LazyGdnState:
         num_accepted: [B] vLLM's num_accepted_tokens (1 after a prefill).
         Returns o: [B, T, HV, V] in q.dtype.
         """
-        B, T = q.shape[:2]
+        T = q.shape[1]
         col0 = spec_indices[:, 0]
         acc = num_accepted.to(torch.int64).clamp(min=1)
         if self.eager:
@@ -189,7 +189,7 @@ class LazyGdnState:
                 q, k, v, a, b, A_log, dt_bias, self.pool, init, tok.contiguous(), scale=scale,
                 state_vk=self.state_vk,
             )
-        if T > self.max_tokens:
+        if self.max_tokens < T:
             raise ValueError(f"{T} verify tokens do not fit a log of {self.max_tokens}")
         flags = self._flag_index(col0)
         live = col0 >= 0

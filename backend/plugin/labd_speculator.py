@@ -31,7 +31,7 @@ from backend.plugin.labd import (
     point_mass_probs_,
 )
 
-__all__ = ["install", "LabdSettings"]
+__all__ = ["LabdSettings", "install"]
 
 log = logging.getLogger("hyperharness.plugin.labd")
 
