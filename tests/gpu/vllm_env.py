@@ -130,7 +130,11 @@ def device_site(dest: Path, extra: tuple[str, ...] = ()) -> list[str]:
     """
     device = {_norm(d) for d in package_list("device_packages.txt")}
     carried = {_norm(d) for d in package_list("wheels.txt") + list(extra)}
-    installed = {_norm(d.metadata["Name"] or ""): d for d in importlib.metadata.distributions()}
+    # distributions() walks sys.path in order: keep the first of each name, the one Python imports
+    # (a dict comprehension would keep the last, a shadowed older copy where two paths hold one).
+    installed: dict[str, importlib.metadata.Distribution] = {}
+    for d in importlib.metadata.distributions():
+        installed.setdefault(_norm(d.metadata["Name"] or ""), d)
     # The device's packages come with their own dependencies: close that set over what the
     # versions installed here require (no extras), so a version skew does not look like a gap.
     # The carried wheels are not closed over: each one they need must be carried too.

@@ -53,9 +53,13 @@ def main(model_dir: Path) -> dict:
     ids = drafter.model.draft_vocab_ids.tolist()
     head = type(drafter.model.draft_lm_head.quant_method).__name__
     del llm
-    plain = list(LLM(**common).generate([PROMPT], params)[0].outputs[0].token_ids)
-    return {"spec": spec, "plain": plain, "drafted": drafted, "counters": counters, "vocab_ids": ids,
-            "draft_head_method": head}
+    # plain greedy with each step's top logprobs: a random-weight model has near-ties that bf16 verify
+    # (T=3) and decode (T=1) may break differently, and the test must tell those from a lossy drafter
+    out = LLM(**common).generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, logprobs=5))[0].outputs[0]
+    plain = list(out.token_ids)
+    top = [{str(t): lp.logprob for t, lp in step.items()} for step in out.logprobs or []]
+    return {"spec": spec, "plain": plain, "plain_top": top, "drafted": drafted, "counters": counters,
+            "vocab_ids": ids, "draft_head_method": head}
 
 
 if __name__ == "__main__":

@@ -54,7 +54,9 @@ def test_smollm2_own_outputs_cover_its_held_out_outputs_better_than_rank_order(s
     """Real weights, real outputs: the vocabulary counted from nine tenths of the prompts covers more of
     what the model writes for the held-out tenth than the same number of ids in BPE rank order (the
     tokenizer's own, corpus-frequency order: what a vocabulary not counted from the model gives)."""
-    prompts = dv.load_prompts("agent")
+    # every held-out prompt, a third of the counted ones (CI time; the full set's figures are
+    # tests/models/draft_vocab_coverage.py's, in docs/models-gpu.md)
+    prompts = [p for i, p in enumerate(dv.load_prompts("agent")) if dv.held_out(p["id"]) or i % 3 == 0]
     outputs = dv.collect(smol_engine.base_url, smol_engine.model_name, prompts, max_tokens=48, concurrency=8)
     specials, vocab_size = dv.special_ids(smol_engine.model_dir), dv.vocab_size_of(smol_engine.model_dir)
     vocab = dv.build(outputs, specials, 2048, vocab_size, {"model": "smollm2-135m"})
@@ -120,4 +122,12 @@ engine: {{device: cuda, max_model_len: 4096, max_num_seqs: 1, max_num_batched_to
     vocab_ids = set(vocab["ids"])
     for argmax, finite in got["drafted"]:
         assert all(t in vocab_ids for t in argmax) and set(finite) == {1024}
-    assert got["spec"] == got["plain"]  # greedy speculation is lossless
+    # Greedy speculation is lossless: the outputs agree token for token, except that a random-weight
+    # model has near-ties that bf16 verify (T=3) and decode (T=1) may break differently (seen: 0.008
+    # nats apart, one bf16 step of the logits). From a divergence on, the two continue different texts.
+    spec, plain = got["spec"], got["plain"]
+    first = next((i for i, (a, b) in enumerate(zip(spec, plain, strict=True)) if a != b), None)
+    if first is not None:
+        top = got["plain_top"][first]
+        assert first > 0 and str(spec[first]) in top, (first, spec[first], top)
+        assert top[str(plain[first])] - top[str(spec[first])] < 0.05, (first, spec[first], top)

@@ -8,6 +8,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -111,7 +112,7 @@ async def test_the_pool_lets_an_idle_connection_go_before_the_server_would(serve
         await up.close()
 
 
-def test_the_default_keepalive_is_below_vllms() -> None:
+def test_the_default_keepalive_is_below_vllms(tmp_path: Path) -> None:
     from vllm import envs
 
     from proxy.settings import Settings
@@ -119,7 +120,9 @@ def test_the_default_keepalive_is_below_vllms() -> None:
 
     settings = Settings(upstream="http://127.0.0.1:1")
     assert settings.upstream_keepalive_s == KEEPALIVE_S < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
-    assert Settings.from_argv(["--upstream", "http://x:1", "--upstream-keepalive", "1.5"], env={}).upstream_keepalive_s == 1.5
+    # the one way to change it is the runtime config file `serve` writes
+    Settings(upstream="http://x:1", upstream_keepalive_s=1.5).dump(tmp_path / "proxy.json")
+    assert Settings.load(tmp_path / "proxy.json").upstream_keepalive_s == 1.5
 
 
 @pytest.mark.asyncio
