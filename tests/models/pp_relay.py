@@ -49,6 +49,9 @@ def main(model_dir: Path, out: Path, size: int, rank: int, port: int) -> None:
     config = VllmConfig(model_config=ModelConfig(model=str(model_dir), dtype="float32", enforce_eager=True),
                         parallel_config=ParallelConfig(pipeline_parallel_size=size),
                         compilation_config=CompilationConfig(mode=0))
+    # vLLM's CPU worker names the ranks' shared-memory group by this before it starts the group (the
+    # SHM communicator is used where vllm._C has init_shm_manager, i.e. on some CPUs only)
+    os.environ.setdefault("VLLM_DIST_IDENT", str(port))
     with set_current_vllm_config(config):
         init_distributed_environment(world_size=size, rank=rank, local_rank=rank, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{port}")
