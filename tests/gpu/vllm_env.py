@@ -156,12 +156,32 @@ def device_site(dest: Path, extra: tuple[str, ...] = ()) -> list[str]:
     for name in sorted(closure):
         dist = installed[name]
         for top in {Path(str(f)).parts[0] for f in dist.files or () if not str(f).startswith("..")}:
-            src = Path(str(dist.locate_file(top)))
+            src = _imported_from(top) or Path(str(dist.locate_file(top)))
             link = dest / top
             if src.exists() and not link.exists() and not top.endswith(".pth") and top != "__pycache__":
                 link.symlink_to(src)
         linked.append(name)
     return sorted(linked)
+
+
+def _imported_from(top: str) -> Path | None:
+    """Where this interpreter imports the top-level module or package `top` (a name in a RECORD:
+    ``pkg``, ``mod.py``, ``mod.cpython-311-x86_64-linux-gnu.so``) from, or None for what is not
+    a module (dist-info, data) or is a namespace package. Linking that, not the RECORD's own
+    location, makes the site hold exactly the code the tests here run with, whatever copies of
+    a package other path entries hold."""
+    name = top.split(".", 1)[0]
+    if not name.isidentifier() or top.endswith((".dist-info", ".data", ".pth")):
+        return None
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not spec.has_location:
+        return None
+    origin = Path(spec.origin)
+    src = origin.parent if spec.submodule_search_locations is not None else origin
+    return src if src.name == top else None
 
 
 def _norm(name: str) -> str:
