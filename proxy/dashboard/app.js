@@ -88,6 +88,7 @@ function chart(history) {
   const W = 300, H = 70, svg = document.createElementNS(SVG, "svg");
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   svg.setAttribute("class", "chart");
+  svg.setAttribute("preserveAspectRatio", "none");
   svg.setAttribute("role", "img");
   svg.setAttribute("aria-label", "prompt tokens per turn: cached, re-prefilled, new");
   const max = Math.max(1, ...history.map((t) => t.cached + t.reprefilled + t.new));

@@ -80,7 +80,7 @@ async def test_metrics_parse_and_split_session_tokens(proxy: tuple[str, MetricsF
     h = {"x-session-id": SESSION, "x-harness": "pi"}
     sys_, user = {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}
     for text in ("one", "two"):
-        fake.scripts.append((enc(text) + [IM_END], [*text, ""], "stop"))
+        fake.scripts.append(([*enc(text), IM_END], [*text, ""], "stop"))
     await client.chat.completions.create(model="m", messages=[sys_, user], extra_headers=h)
     await client.chat.completions.create(model="m", messages=[sys_, user, {"role": "assistant", "content": "one"},
                                                                {"role": "user", "content": "more"}], extra_headers=h)
