@@ -180,7 +180,7 @@ class Metrics:
             registry=r,
         )
         self.active_sessions = Gauge(
-            f"{ns}_active_sessions", "Sessions with a turn in the observer's window", ["harness"], registry=r
+            f"{ns}_active_sessions", "Sessions on the operator view's board (the most recent ones, bounded)", ["harness"], registry=r
         )
 
     def engines(self, texts: EngineTexts) -> None:

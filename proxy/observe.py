@@ -148,6 +148,7 @@ class Observer:
         self.engines: dict[str, EngineSource] = {}
         self.sessions: OrderedDict[str, SessionStat] = OrderedDict()  # least recently seen first
         self.started = time.time()
+        self._harnesses: set[str] = set()
         metrics.engines(self.texts)
 
     # -- inputs ---------------------------------------------------------------------------------
@@ -199,9 +200,10 @@ class Observer:
         self._count_active()
 
     def _count_active(self) -> None:
-        by: dict[str, int] = {}
+        by = dict.fromkeys(self._harnesses, 0)  # a harness whose sessions all left the board reads 0
         for s in self.sessions.values():
             by[s.harness] = by.get(s.harness, 0) + 1
+        self._harnesses = set(by)
         for harness, n in by.items():
             self.metrics.active_sessions.labels(harness).set(n)
 
