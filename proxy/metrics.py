@@ -180,7 +180,8 @@ class Metrics:
             registry=r,
         )
         self.active_sessions = Gauge(
-            f"{ns}_active_sessions", "Sessions on the operator view's board (the most recent ones, bounded)", ["harness"], registry=r
+            f"{ns}_active_sessions", "Sessions on the operator view's board (the most recent ones, bounded)",
+            ["harness"], registry=r,
         )
 
     def engines(self, texts: EngineTexts) -> None:
