@@ -17,6 +17,7 @@ Session ids never leave this module: the board shows a short hash of the store k
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from collections import OrderedDict, deque
@@ -110,7 +111,8 @@ class EngineSource:
     get_text: GetText | None = None
     scheduler: Scheduler | None = None
     text: str = ""
-    read_at: float = 0.0  # monotonic
+    read_at: float = 0.0  # monotonic, last successful read
+    tried_at: float = 0.0  # monotonic, last read of our own (not the scheduler's)
     error: str | None = None
 
     def tap(self, get_text: GetText) -> GetText:
@@ -130,10 +132,16 @@ class EngineSource:
         return read
 
     async def refresh(self, max_age_s: float) -> None:
-        if self.get_text is None or time.monotonic() - self.read_at < max_age_s:
+        """Read /metrics when the last read is older than `max_age_s`; a hung engine costs a page at most
+        `max_age_s` (then it shows as down), and is tried again only after another `max_age_s`."""
+        now = time.monotonic()
+        if self.get_text is None or now - max(self.read_at, self.tried_at) < max_age_s:
             return
+        self.tried_at = now
         try:
-            await self.tap(self.get_text)("/metrics")
+            await asyncio.wait_for(self.tap(self.get_text)("/metrics"), max_age_s)
+        except TimeoutError:
+            self.error = f"no /metrics answer within {max_age_s:.0f}s"
         except Exception:  # recorded in `error`; the view shows the engine as down
             return
 

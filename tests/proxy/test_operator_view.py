@@ -111,3 +111,22 @@ async def test_restored_reasoning_divergence_and_top(proxy: tuple[str, FakeVLLM,
                              json={"model": "m", "messages": [sys_, user]})
             r.raise_for_status()
     assert [x["label"] for x in view.state()["sessions"]] == [session_label("h:s2"), session_label("h:s1")]
+
+
+async def test_state_answers_with_the_engine_down() -> None:
+    """No engine behind the proxy: the page still answers at once and shows the engine as down."""
+    import socket
+    import time
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{sock.getsockname()[1]}"  # bound, not listening: refused
+    app = create_app(Settings(upstream=dead, model_name="hh", api_key=KEY), fmt=ReasoningFormat(), store=MemoryStore())
+    async with serve_app(app) as url, httpx.AsyncClient() as c:
+        started = time.monotonic()
+        state = (await c.get(url + "/dashboard/state", headers={"authorization": f"Bearer {KEY}"})).json()
+        assert time.monotonic() - started < 5
+    sock.close()
+    (engine,) = state["engines"]
+    assert engine["name"] == "engine-0" and engine["up"] is False and engine["error"]
+    assert state["sessions"] == []
