@@ -44,6 +44,8 @@ def ensure(log: bool = True) -> tuple[str | None, str]:
     path = find()
     if path is not None:
         return path, ""
+    if os.environ.get("HYPERHARNESS_CHROMIUM"):
+        return None, f"HYPERHARNESS_CHROMIUM={os.environ['HYPERHARNESS_CHROMIUM']} is not an executable"
     if os.geteuid() == 0 and shutil.which("apt-get"):
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         if log:
