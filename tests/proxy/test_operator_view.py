@@ -130,3 +130,48 @@ async def test_state_answers_with_the_engine_down() -> None:
     (engine,) = state["engines"]
     assert engine["name"] == "engine-0" and engine["up"] is False and engine["error"]
     assert state["sessions"] == []
+
+
+async def test_engine_view_hybrid_pool_and_spec_decode() -> None:
+    """A hybrid engine's page (state pages per seat from the runtime config) with speculative decoding:
+    the view shows pool tokens, state pages in use and the acceptance rate from vLLM's own counters."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    from proxy.admission import Priority
+    from proxy.metrics import Metrics
+    from proxy.observe import Observer
+    from proxy.scheduler import Scheduler
+    from proxy.settings import EngineGeometry
+
+    r = CollectorRegistry()
+    lab = ["model_name", "engine"]
+    info = Gauge("vllm:cache_config_info", "x", ["num_gpu_blocks", "block_size", "mamba_cache_mode"], registry=r)
+    info.labels("1000", "384", "align").set(1)
+    Gauge("vllm:num_requests_running", "x", lab, registry=r).labels("m", "0").set(2)
+    Gauge("vllm:kv_cache_usage_perc", "x", lab, registry=r).labels("m", "0").set(0.125)
+    Counter("vllm:spec_decode_num_drafts", "x", lab, registry=r).labels("m", "0").inc(100)
+    Counter("vllm:spec_decode_num_draft_tokens", "x", lab, registry=r).labels("m", "0").inc(700)
+    Counter("vllm:spec_decode_num_accepted_tokens", "x", lab, registry=r).labels("m", "0").inc(420)
+    page = generate_latest(r).decode()
+
+    async def get_text(path: str) -> str:
+        return page
+
+    geometry = EngineGeometry(seats=4, gdn_groups=3, state_slots_per_seat=9)
+    view = Observer(Metrics())
+    src = view.engine("gpu-0", "http://engine")
+    tapped = src.tap(get_text)  # as the app wires it: the scheduler's reads feed the view
+    src.scheduler = Scheduler(engine=geometry, read_metrics_text=lambda: tapped("/metrics"))
+    await src.scheduler.refresh()
+    (e,) = view.state()["engines"]
+    pool = e["pool"]
+    assert pool["kv_tokens"] == 1000 * 384 and pool["kv_tokens_used"] == 1000 * 384 // 8
+    assert pool["kv_usage_pct"] == 12.5 and pool["seats"] == 4 and pool["seats_used"] == 2
+    assert pool["state_pages_per_seat"] == geometry.state_blocks_per_seat == 27
+    assert pool["state_pages"] == 4 * 27 and pool["state_pages_used"] == 2 * 27
+    assert e["queue"] == {p.label: 0 for p in Priority}
+    assert e["spec_decode"]["acceptance_pct"] == 60.0 and e["spec_decode"]["mean_acceptance_length"] == 5.2
+    frame_console = Console(width=300, record=True, color_system=None)
+    frame_console.print(render(view.state()))
+    frame = frame_console.export_text()
+    assert "60.0% · mean length 5.20" in frame and "54 / 108 (27/seat)" in frame
