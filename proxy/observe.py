@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterator
@@ -33,6 +34,7 @@ from proxy.scheduler import PoolGeometry, Scheduler
 from proxy.scheduler.pool import parse_prometheus
 from proxy.sessions import SIDE_SUFFIX
 
+log = logging.getLogger("proxy.observe")
 GetText = Callable[[str], Awaitable[str]]
 
 _ENGINE_READ = ("vllm:cache_config_info", "vllm:kv_cache_usage_perc", "vllm:num_requests_running",
@@ -172,7 +174,14 @@ class Observer:
         return src
 
     def turn_ended(self, plan: Plan, final: FinalEvent, engine: str | None = None) -> None:
-        """One finished turn: the session board and the aggregated `hh_session_*` series."""
+        """One finished turn: the session board and the aggregated `hh_session_*` series. Never raises:
+        the turn's answer is already decided, and the view must not be able to fail it."""
+        try:
+            self._turn_ended(plan, final, engine)
+        except Exception:
+            log.exception("operator view: could not record a turn")
+
+    def _turn_ended(self, plan: Plan, final: FinalEvent, engine: str | None) -> None:
         req, usage = plan.request, final.usage
         eng = engine or next(iter(self.engines), "engine-0")
         now = time.time()
