@@ -89,6 +89,25 @@ def replay(
     replay_command(traces or [], base_url, direct_url, model, api_key, metrics_url, gap, warmup)
 
 
+@app.command()
+def top(
+    url: str = typer.Option("http://127.0.0.1:8000", help="the proxy's base URL"),
+    key: str = typer.Option(None, envvar=ENV_VAR, help="the proxy's key (default: $HYPERHARNESS_API_KEY, else the"
+                                                        " key file)"),
+    once: bool = typer.Option(False, "--once", help="print one frame and exit"),
+    interval: float = typer.Option(1.0, help="seconds between refreshes"),
+) -> None:
+    """The dashboard's live view in the terminal: engines, pool, queue, sessions and cache reuse."""
+    from .top import top_command
+
+    if key is None and default_key_file().is_file():
+        key = default_key_file().read_text().strip() or None
+    try:
+        raise typer.Exit(top_command(url, key, once, interval))
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
 @models_app.command("prepare")
 def models_prepare(names: list[str] = typer.Argument(None, help="default: all"),
                    verify: bool = typer.Option(False, help="re-hash every file of a finished build"),

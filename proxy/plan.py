@@ -47,6 +47,14 @@ class Plan:
     # (a format without its own tool-call syntax) that `JsonToolCallParser` turns into calls.
     forced_outputs: dict[str, Any] | None = None
     json_tools: bool = False
+    divergence: Divergence | None = None  # a fresh render of a known session (the operator view shows it)
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    reason: str
+    kept_tokens: int  # of the closest snapshot's ids, those this prompt still starts with
+    lost_tokens: int  # previously-sent tokens this prompt changed: the engine prefills them again
 
 
 class Planner:
@@ -73,6 +81,7 @@ class Planner:
         found = match(await self.store.load(req.session.key), chat.messages, ctx, keys=keys)
         spliced = found.snapshot is not None and found.reason is None
         validate_messages(chat.messages, found.new_from if spliced else 0)
+        divergence: Divergence | None = None
         try:
             if found.snapshot is not None and spliced:
                 prompt, text, ends = self._splice(found, chat, req.thinking)
@@ -83,7 +92,7 @@ class Planner:
                 rendered = self.fmt.render(chat.messages, chat.tools, enable_thinking=req.thinking, **kwargs)
                 prompt, text, ends = array("I", rendered.ids), "", _message_ends(rendered, len(chat.messages))
                 parent = None
-                self._account_fresh(req, found, prompt)
+                divergence = self._account_fresh(req, found, prompt)
         except (FormatError, TemplateError) as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
         info = await self.upstream.model()
@@ -92,7 +101,8 @@ class Planner:
             text = self.ids_text.encode(prompt)
         forced, json_tools = self._forced_outputs(chat)
         return Plan(request=req, prompt=prompt, prompt_text=text, parent=parent, msg_keys=keys, msg_ends=ends,
-                    context=ctx, max_tokens=max_tokens, forced_outputs=forced, json_tools=json_tools)
+                    context=ctx, max_tokens=max_tokens, forced_outputs=forced, json_tools=json_tools,
+                    divergence=divergence)
 
     def _forced_outputs(self, chat: NormalizedChat) -> tuple[dict[str, Any] | None, bool]:
         choice = chat.tool_choice
@@ -118,16 +128,18 @@ class Planner:
         ends = snap.msg_ends[: len(snap.msg_keys)] + [len(snap.ids)] + [len(prompt)] * len(new)
         return prompt, text, ends
 
-    def _account_fresh(self, req: TurnRequest, found: Match, prompt: array[int]) -> None:
+    def _account_fresh(self, req: TurnRequest, found: Match, prompt: array[int]) -> Divergence | None:
         if found.snapshot is None:
             self.metrics.transcript_lookups.labels("miss").inc()
-            return
+            return None
         self.metrics.transcript_lookups.labels("diverged").inc()
         self.metrics.divergences.labels(found.reason or "unknown").inc()
-        lost = max(0, found.shared_tokens - common_prefix_len(found.snapshot.ids, prompt))
+        kept = common_prefix_len(found.snapshot.ids, prompt)
+        lost = max(0, found.shared_tokens - kept)
         self.metrics.reprefilled_tokens.inc(lost)
         log.info("session %s (%s) diverged: %s; %d previously-sent tokens will be prefilled again",
                  req.session.key, req.session.source, found.reason, lost)
+        return Divergence(found.reason or "unknown", kept, lost)
 
 
 def _message_ends(rendered: Rendered, n: int) -> list[int]:

@@ -73,11 +73,11 @@ class QuirkLog:
     def __init__(self, registry: CollectorRegistry | None = None, keep: int = 256) -> None:
         self.recent: deque[RequestInfo] = deque(maxlen=keep)
         self.requests = Counter(
-            "hyperharness_proxy_harness_requests", "Requests by harness, session source and priority class",
+            "hh_harness_requests", "Requests by harness, session source and priority class",
             ["harness", "session_source", "priority"], registry=registry,
         )
         self.applied = Counter(
-            "hyperharness_proxy_quirks_applied", "Request quirks handled, by name", ["quirk"], registry=registry
+            "hh_quirks_applied", "Request quirks handled, by name", ["quirk"], registry=registry
         )
 
     def add(self, info: RequestInfo) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from proxy.errors import ProxyError
 from proxy.ingress import Ingress
 from proxy.metrics import Metrics
+from proxy.observe import Observer
 from proxy.quirks import QuirkLog
 from proxy.settings import Settings
 from proxy.store import SessionStore
@@ -24,12 +25,14 @@ class Services:
     upstream: Upstream | None = None
     store: SessionStore | None = None
     turns: TurnService | None = None  # None without a chat format: chat passes through to vLLM
+    observer: Observer | None = None  # the operator view: sessions, engines (proxy/observe.py)
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
         metrics = Metrics()
         quirk_log = QuirkLog(metrics.registry)
-        return cls(settings, metrics, quirk_log, Ingress(quirk_log, default_thinking=settings.default_thinking))
+        return cls(settings, metrics, quirk_log, Ingress(quirk_log, default_thinking=settings.default_thinking),
+                   observer=Observer(metrics))
 
     def up(self) -> Upstream:
         if self.upstream is None:
@@ -40,3 +43,8 @@ class Services:
         if self.turns is None:
             raise ProxyError("this route needs the proxy's chat format (a model_dir in the proxy config)")
         return self.turns
+
+    def view(self) -> Observer:
+        if self.observer is None:
+            self.observer = Observer(self.metrics)
+        return self.observer

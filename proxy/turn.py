@@ -25,6 +25,7 @@ from proxy.format.base import ChatFormat, Delta, DeltaKind, OutputParser, Parsed
 from proxy.ingress import TurnRequest
 from proxy.logprobs import LogprobsBuilder
 from proxy.metrics import Metrics
+from proxy.observe import Observer
 from proxy.plan import Plan, Planner
 from proxy.reply import DeltaEvent, FinalEvent, TurnEvent, Usage, assistant_message, finish_reason, tool_call_id
 from proxy.store import SessionStore
@@ -35,6 +36,8 @@ log = logging.getLogger("proxy.turn")
 
 
 class TurnService:
+    observer: Observer | None = None  # the operator view (proxy/observe.py), set by the app
+
     def __init__(self, *, fmt: ChatFormat, upstream: Upstream, store: SessionStore, metrics: Metrics,
                  admission: Admission | None = None, warmup: bool = False) -> None:
         self.fmt = fmt
@@ -279,8 +282,11 @@ class Turn:
             self.service.metrics.argument_mismatches.inc()
             log.error("tool call %d: streamed arguments %r differ from parsed %r", index, sent, final)
         rest = (self.logprobs.take() or None) if self.logprobs is not None else None
-        return FinalEvent(finish=finish, reply=reply, parsed=parsed, tail=tail, generated=self.generated,
-                          usage=self._usage(), logprobs=rest)
+        event = FinalEvent(finish=finish, reply=reply, parsed=parsed, tail=tail, generated=self.generated,
+                           usage=self._usage(), logprobs=rest)
+        if self.service.observer is not None:
+            self.service.observer.turn_ended(self.plan, event)
+        return event
 
     def close(self) -> None:
         if self.closed:

@@ -288,9 +288,9 @@ async def fanout(profile_name: str, engine_url: str | None, log_dir: Path, load_
 
         async with httpx.AsyncClient() as c:
             sched = [ln for ln in (await c.get(proxy_url + "/metrics")).text.splitlines()
-                     if ln.startswith(("hyperharness_scheduler_admitted_total", "hyperharness_scheduler_pool_blocks",
-                                       "hyperharness_scheduler_wait_seconds_sum",
-                                       "hyperharness_scheduler_wait_seconds_count"))]
+                     if ln.startswith(("hh_scheduler_admitted_total", "hh_scheduler_pool_blocks",
+                                       "hh_scheduler_wait_seconds_sum",
+                                       "hh_scheduler_wait_seconds_count"))]
         return format_reports(reports, load) + "\nproxy scheduler: " + "; ".join(sched)
     finally:
         proxy_proc.stop()

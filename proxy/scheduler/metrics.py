@@ -11,7 +11,7 @@ _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 30
 
 class SchedulerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        ns = "hyperharness_scheduler"
+        ns = "hh_scheduler"
         r = registry
         self.queue_depth = Gauge(f"{ns}_queue_depth", "Requests waiting for admission", ["priority"], registry=r)
         self.wait = Histogram(f"{ns}_wait_seconds", "Time from arrival to admission (admitted requests)",

@@ -114,13 +114,13 @@ async def transcript_hits(rig: Rig) -> float:
     """The proxy's own count of chat requests spliced onto a stored transcript."""
     async with httpx.AsyncClient() as c:
         text = (await c.get(rig.url + "/metrics", headers={"authorization": f"Bearer {KEY}"})).text
-    found = re.search(r'^hyperharness_proxy_transcript_lookups_total\{outcome="hit"\} ([0-9.e+]+)', text, re.M)
+    found = re.search(r'^hh_transcript_lookups_total\{outcome="hit"\} ([0-9.e+]+)', text, re.M)
     return float(found.group(1)) if found else 0.0
 
 
 async def quirk_counts(rig: Rig) -> dict[str, float]:
-    """`hyperharness_proxy_quirks_applied_total` by quirk name."""
+    """`hh_quirks_applied_total` by quirk name."""
     async with httpx.AsyncClient() as c:
         text = (await c.get(rig.url + "/metrics", headers={"authorization": f"Bearer {KEY}"})).text
-    found = re.findall(r'^hyperharness_proxy_quirks_applied_total\{quirk="([^"]+)"\} ([0-9.e+]+)', text, re.M)
+    found = re.findall(r'^hh_quirks_applied_total\{quirk="([^"]+)"\} ([0-9.e+]+)', text, re.M)
     return {name: float(value) for name, value in found}

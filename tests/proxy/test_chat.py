@@ -128,7 +128,7 @@ async def test_multi_turn_append_only_with_tool_call(env: Env) -> None:
     p3 = env.prompt()
     assert p3[: len(p2) + 5] == p2 + enc("done") + [IM_END]
     metrics = (await httpx.AsyncClient().get(env.url + "/metrics", headers={"x-api-key": KEY})).text
-    assert 'hyperharness_proxy_transcript_lookups_total{outcome="hit"} 2.0' in metrics
+    assert 'hh_transcript_lookups_total{outcome="hit"} 2.0' in metrics
 
 
 async def test_divergence_is_counted(env: Env) -> None:
@@ -145,7 +145,7 @@ async def test_divergence_is_counted(env: Env) -> None:
     await env.client.chat.completions.create(model="m", messages=edited, extra_headers=h)
     async with httpx.AsyncClient() as c:
         metrics = (await c.get(env.url + "/metrics", headers={"x-api-key": KEY})).text
-    assert 'hyperharness_proxy_transcript_divergences_total{reason="history_edited"} 1.0' in metrics
+    assert 'hh_transcript_divergences_total{reason="history_edited"} 1.0' in metrics
 
 
 async def test_overflow_says_maximum_context_length(env: Env) -> None:

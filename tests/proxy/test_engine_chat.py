@@ -280,7 +280,7 @@ async def test_agent_loop_is_append_only(hybrid: Rig, thinking: bool, client: st
     async with httpx.AsyncClient() as c:
         metrics = (await c.get(hybrid.url + "/metrics", headers={"authorization": f"Bearer {KEY}"})).text
     diverged = [
-        line for line in metrics.splitlines() if line.startswith("hyperharness_proxy_transcript_divergences_total{")
+        line for line in metrics.splitlines() if line.startswith("hh_transcript_divergences_total{")
     ]
     assert diverged == []
 

@@ -183,6 +183,6 @@ async def test_quirk_counters_in_metrics(env: Env) -> None:
     async with httpx.AsyncClient(base_url=env.url, headers={"authorization": "Bearer " + KEY}) as c:
         assert (await c.post("/v1/chat/completions", json=summary, headers={"x-harness": "pi"})).status_code == 200
         text = (await c.get("/metrics")).text
-    series = ('hyperharness_proxy_harness_requests_total'
+    series = ('hh_harness_requests_total'
               '{harness="pi",priority="background",session_source="fingerprint"}')
     assert series in text
