@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from proxy.admission import Admission
-from proxy.auth import BearerAuth
+from proxy.auth import Guard
 from proxy.errors import NotFound, ProxyError
 from proxy.format import ChatFormat, load_format
 from proxy.http import error_response, json_response
@@ -131,8 +131,8 @@ def create_app(
     async def passthrough(path: str, request: Request) -> Response:
         return await relay(services, request, "/v1/" + path)
 
-    if settings.api_key:
-        app.add_middleware(BearerAuth, api_key=settings.api_key)
+    # Always on: the target/Host checks and the body limit hold without keys too (keys: loopback only).
+    app.add_middleware(Guard, keys=settings.keys, max_body_bytes=settings.limits.max_body_bytes)
     return app
 
 

@@ -94,6 +94,8 @@ def drop_unsupported_fields(req: ChatRequest) -> dict[str, Any]:
     for name in VLLM_EXTRA_FIELDS:
         if extra.get(name) is not None:
             sampling[name] = extra[name]
+    if "structured_outputs" in sampling:  # goes to the engine's grammar compiler as sent: same limits
+        constraints.check_structured_outputs(sampling["structured_outputs"])
     sampling.pop("logprobs", None)
     sampling.pop("top_logprobs", None)
     top = constraints.top_logprobs(req.logprobs, req.top_logprobs)
@@ -134,6 +136,7 @@ def normalize(req: ChatRequest, body: Mapping[str, Any]) -> NormalizedChat:
     100K-token history), since the renderer applies vLLM's message preprocessing itself."""
     messages = list(body["messages"])
     tools = stable_tool_definitions(list(body["tools"]) if req.tools else None)
+    constraints.check_tool_schemas(tools)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     choice = constraints.tool_choice(req.tool_choice, tools)

@@ -20,7 +20,7 @@ async def relay(services: Services, request: Request, path: str) -> Response:
     upstream = services.up()
     raw = await request.body()
     if raw and request.method == "POST":
-        body = await read_json(request)
+        body = await read_json(request, services.settings.limits.max_json_depth)
         if "model" in body:
             body["model"] = (await upstream.model()).upstream_id
         raw = json.dumps(body).encode()
