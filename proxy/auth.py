@@ -42,31 +42,32 @@ _HOST = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})?|\[[0-9A-Fa-f:.]{2,4
 _BAD_PATH_CHARS = re.compile(r"[%\\\x00-\x20\x7f-\xff]")
 
 
-def presented_key(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
+def presented_key(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+    """The key as the client's bytes (a key file's non-ASCII key arrives as its UTF-8 bytes)."""
     for name, value in headers:
         if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
+            scheme, _, token = value.partition(b" ")
+            if scheme.lower() == b"bearer" and token.strip():
                 return token.strip()
-        elif name == b"x-api-key" and value:
-            return value.decode("latin-1").strip()
+        elif name == b"x-api-key" and value.strip():
+            return value.strip()
     return None
 
 
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
 
 
 class KeyRing:
     """The accepted keys, kept as digests; `accepts` looks at all of them whatever it finds."""
 
     def __init__(self, keys: Sequence[str]) -> None:
-        self._digests = tuple(_digest(k) for k in keys)
+        self._digests = tuple(_digest(k.encode("utf-8", "surrogateescape")) for k in keys)
 
     def __bool__(self) -> bool:
         return bool(self._digests)
 
-    def accepts(self, key: str | None) -> bool:
+    def accepts(self, key: bytes | None) -> bool:
         if key is None:
             return False
         given = _digest(key)
