@@ -9,6 +9,7 @@ the tokenizer or the transcript store). The body's size is bounded before this b
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from fastapi import Request
@@ -35,6 +36,13 @@ DEFAULT_MAX_DEPTH = 64
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):  # 1e400: no engine field takes it, and it would go on as `Infinity`
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
 
 
 def check_media_type(content_type: str | None) -> None:
@@ -78,7 +86,7 @@ def _check_text(text: str) -> None:
 def parse_json(raw: bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
-        body = json.loads(text, parse_constant=_no_constant)
+        body = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
     except UnicodeDecodeError as exc:
         raise InvalidRequest(f"request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from exc
     except RecursionError as exc:
