@@ -19,6 +19,7 @@ from proxy.auth import Guard
 from proxy.errors import NotFound, ProxyError
 from proxy.format import ChatFormat, load_format
 from proxy.http import error_response, json_response
+from proxy.openapi import openapi_document
 from proxy.relay import relay
 from proxy.routes import turn_router
 from proxy.scheduler import Scheduler, open_scheduler
@@ -124,6 +125,10 @@ def create_app(
             "context_window": info.max_model_len,
         }
         return json_response({"object": "list", "data": [entry]})
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:  # behind the key like every route but /health (proxy/auth.py)
+        return json_response(openapi_document())
 
     app.include_router(turn_router(services))  # chat, messages, files, probes: before the pass-through
 

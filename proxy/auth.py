@@ -42,16 +42,18 @@ _HOST = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})?|\[[0-9A-Fa-f:.]{2,4
 _BAD_PATH_CHARS = re.compile(r"[%\\\x00-\x20\x7f-\xff]")
 
 
-def presented_key(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
-    """The key as the client's bytes (a key file's non-ASCII key arrives as its UTF-8 bytes)."""
+def presented_keys(headers: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
+    """The keys as the client's bytes (a key file's non-ASCII key arrives as its UTF-8 bytes), from every
+    Authorization: Bearer and x-api-key header: a client may send both (SDK defaults plus its own)."""
+    found = []
     for name, value in headers:
         if name == b"authorization":
             scheme, _, token = value.partition(b" ")
             if scheme.lower() == b"bearer" and token.strip():
-                return token.strip()
+                found.append(token.strip())
         elif name == b"x-api-key" and value.strip():
-            return value.strip()
-    return None
+            found.append(value.strip())
+    return found
 
 
 def _digest(key: bytes) -> bytes:
@@ -67,13 +69,12 @@ class KeyRing:
     def __bool__(self) -> bool:
         return bool(self._digests)
 
-    def accepts(self, key: bytes | None) -> bool:
-        if key is None:
-            return False
-        given = _digest(key)
+    def accepts(self, *presented: bytes) -> bool:
         found = False
-        for digest in self._digests:
-            found |= hmac.compare_digest(given, digest)
+        for key in presented:
+            given = _digest(key)
+            for digest in self._digests:
+                found |= hmac.compare_digest(given, digest)
         return found
 
 
@@ -141,7 +142,7 @@ class Guard:
         if problem is not None:
             await refuse(scope, send, InvalidRequest(f"bad request target: {problem}"), close=True)
             return
-        if self.keys and scope["path"] not in OPEN_PATHS and not self.keys.accepts(presented_key(headers)):
+        if self.keys and scope["path"] not in OPEN_PATHS and not self.keys.accepts(*presented_keys(headers)):
             exc = AuthenticationFailed("Missing or invalid API key (send Authorization: Bearer KEY or x-api-key).")
             await refuse(scope, send, exc, [(b"www-authenticate", b"Bearer")])
             return

@@ -169,7 +169,8 @@ def test_keyring_checks_every_key() -> None:
     ring = KeyRing(KEYS)
     assert all(ring.accepts(k.encode()) for k in KEYS)
     wrong = (b"", b"sk-main ", KEYS[2].encode()[:-1], KEYS[0].encode() + b"x", KEYS[2].encode("latin-1", "replace"))
-    assert not ring.accepts(None) and not any(ring.accepts(k) for k in wrong)
+    assert not ring.accepts() and not any(ring.accepts(k) for k in wrong) and not ring.accepts(*wrong)
+    assert ring.accepts(b"junk", KEYS[1].encode())  # Authorization and x-api-key both sent: either may hold it
     assert not KeyRing(()) and not KeyRing(()).accepts(b"anything")
 
 
