@@ -83,7 +83,10 @@ _SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "co
 # tools are far below: the largest seen in harness traces has ~150 schema nodes and no `pattern`.
 MAX_SCHEMA_NODES = 4096  # subschemas + enum values of one schema
 MAX_PATTERN_CHARS = 1024
-MAX_REPEAT = 1000  # the largest counted repetition {n,m} in a pattern
+# The largest counted repetition {n,m} in a pattern: xgrammar's compile of `[a-z]{1,1000}` against
+# SmolLM2's 49K vocabulary took 2.8 s here (per request, on the engine), and the same bound in a
+# response_format schema got an engine 500 in test_engine_bad_input.py; 256 compiles in ~0.5 s.
+MAX_REPEAT = 256
 MAX_CHOICES = 1024  # structured_outputs.choice entries
 MAX_GRAMMAR_CHARS = 64 * 1024  # structured_outputs.grammar / structural_tag, serialized
 _REPEATS = ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
@@ -100,6 +103,8 @@ def check_pattern(pattern: Any, where: str) -> None:
         raise InvalidRequest(f"{where}: a pattern must be a string")
     if len(pattern) > MAX_PATTERN_CHARS:
         raise InvalidRequest(f"{where}: pattern longer than {MAX_PATTERN_CHARS} characters")
+    if "\x00" in pattern:  # xgrammar's native regex converter does not handle NUL (vLLM screens only .regex)
+        raise InvalidRequest(f"{where}: a NUL character in a pattern")
     try:
         tree = re._parser.parse(pattern)  # type: ignore[attr-defined]
     except (re.error, RecursionError, OverflowError) as exc:

@@ -83,6 +83,7 @@ HOSTILE_SCHEMAS = {
     "lookahead": {"type": "string", "pattern": "(?=a)a"},
     "backreference": {"type": "string", "pattern": "(a)\\1"},
     "invalid-regex": {"type": "string", "pattern": "[a-"},
+    "nul-in-pattern": {"type": "string", "pattern": "a\x00b"},
     "pattern-not-string": {"type": "string", "pattern": 5},
     "pattern-properties-key": {"type": "object", "patternProperties": {"^(a|b+)+$": {"type": "string"}}},
     "enum-flood": {"enum": list(range(10_000))},
