@@ -150,7 +150,8 @@ async def test_host_tricks_refused(env: Env) -> None:
             assert status == 400, (host, path, status, body)
     status, _, _ = await raw(env.port, "GET /health HTTP/1.1\nHost: a\nHost: b\n")
     assert status == 400
-    for host in ("127.0.0.1", f"127.0.0.1:{env.port}", "localhost:1", "[::1]:8000", "proxy.example-1.org"):
+    for host in ("127.0.0.1", f"127.0.0.1:{env.port}", "localhost:1", "[::1]:8000", "proxy.example-1.org",
+                 "hyper_harness:8000"):
         status, _, _ = await raw(env.port, f"GET /health HTTP/1.1\nHost: {host}\n")
         assert status == 200, host
 

@@ -333,7 +333,8 @@ async def test_still_serving_and_quirks_kept(env: Env) -> None:
 
 def test_summary() -> None:
     """Cases per class and the worst time to a 4xx (printed with -s; asserted per case above)."""
-    assert TIMES, "run with the cases above"
+    if not TIMES:
+        pytest.skip("prints the figures of the cases above; none ran")
     worst = max((max(t), cls) for cls, t in TIMES.items())
     for cls, times in sorted(TIMES.items()):
         print(f"{cls:20s} {len(times):4d} cases, worst {max(times) * 1000:7.1f} ms")

@@ -137,6 +137,8 @@ def test_fuzz(server: Server, operation: str, mode: GenerationMode) -> None:
 def test_summary(server: Server) -> None:
     """Answers by route and status (printed with -s), and that the fuzz reached the turn itself (200s),
     not only the validation in front of it."""
+    if not SEEN:
+        pytest.skip("prints the figures of the fuzz above; none ran")
     for (path, status), n in sorted(SEEN.items()):
         print(f"{path:24s} {status}  {n}")
     assert not [k for k in SEEN if k[1] >= 500]
