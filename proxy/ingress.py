@@ -18,8 +18,9 @@ from typing import Any, Literal
 
 from proxy import quirks
 from proxy.admission import Priority
+from proxy.errors import NotFound
 from proxy.normalize import NormalizedChat, normalize, tools_key
-from proxy.protocol import parse_chat_request
+from proxy.protocol import check_anthropic_request, parse_chat_request
 from proxy.sessions import SessionIdentity, dsh_log_ids, identify, parent_of
 from proxy.wire.anthropic import to_chat_request
 
@@ -48,9 +49,10 @@ class TurnRequest:
 class Ingress:
     """Turns wire requests into `TurnRequest`s and records what it found in the `QuirkLog`."""
 
-    def __init__(self, quirk_log: quirks.QuirkLog, *, default_thinking: bool = True) -> None:
+    def __init__(self, quirk_log: quirks.QuirkLog, *, default_thinking: bool = True, model: str | None = None) -> None:
         self.quirk_log = quirk_log
         self.default_thinking = default_thinking
+        self.model = model  # the only model name accepted (Settings.limits.strict_model); None: any
 
     def openai(self, body: dict[str, Any], headers: Mapping[str, str], *, max_model_len: int,
                route: str = "chat") -> TurnRequest:
@@ -60,12 +62,16 @@ class Ingress:
     def anthropic(self, body: dict[str, Any], headers: Mapping[str, str], *, max_model_len: int,
                   route: str = "messages") -> TurnRequest:
         """A `/v1/messages` body, translated to the chat shape and then read like any other."""
+        check_anthropic_request(body)
         return self._ingest(to_chat_request(body), headers, "anthropic", route, max_model_len,
                             applied=["anthropic_messages"])
 
     def _ingest(self, body: dict[str, Any], headers: Mapping[str, str], wire: Wire, route: str,
                 max_model_len: int, applied: list[str]) -> TurnRequest:
         started = time.perf_counter()
+        if self.model is not None and body.get("model") not in (None, self.model):
+            raise NotFound(f"The model {str(body.get('model'))[:256]!r} does not exist (this server serves"
+                           f" {self.model!r})", param="model", code="model_not_found")
         hdrs = {k.lower(): v for k, v in headers.items()}
         harness = quirks.identify_harness(hdrs)
         log_ids = dsh_log_ids(body.get("dsh_session_log"))  # read before the payload is dropped

@@ -94,6 +94,8 @@ def drop_unsupported_fields(req: ChatRequest) -> dict[str, Any]:
     for name in VLLM_EXTRA_FIELDS:
         if extra.get(name) is not None:
             sampling[name] = extra[name]
+    if "structured_outputs" in sampling:  # goes to the engine's grammar compiler as sent: same limits
+        constraints.check_structured_outputs(sampling["structured_outputs"])
     sampling.pop("logprobs", None)
     sampling.pop("top_logprobs", None)
     top = constraints.top_logprobs(req.logprobs, req.top_logprobs)
@@ -111,6 +113,28 @@ def drop_unsupported_fields(req: ChatRequest) -> dict[str, Any]:
 
 
 _CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+def check_generation_fields(body: Mapping[str, Any]) -> None:
+    """The limits of the chat path for a body relayed to vLLM as is (/v1/completions and the rest of the
+    pass-through): the same `n`, `logprobs` and structured-output bounds, so no route reaches the
+    engine's sampler or grammar compiler with what the chat route refuses."""
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise InvalidRequest(f"n={n!r} is not supported (only 1)", param="n")
+    for name in ("logprobs", "prompt_logprobs", "top_logprobs"):
+        value = body.get(name)
+        if value is not None and not isinstance(value, bool) and (
+                not isinstance(value, int) or not 0 <= value <= constraints.MAX_TOP_LOGPROBS):
+            raise InvalidRequest(f"{name} must be between 0 and {constraints.MAX_TOP_LOGPROBS}", param=name)
+    if body.get("structured_outputs") is not None:
+        constraints.check_structured_outputs(body["structured_outputs"])
+    if body.get("response_format") is not None:
+        constraints.response_format_outputs(body["response_format"])
+    if body.get("chat_template") is not None or body.get("chat_template_kwargs") is not None:
+        raise InvalidRequest("chat_template and chat_template_kwargs are not accepted on this route",
+                             param="chat_template")
+    constraints.check_tool_schemas(body.get("tools") if isinstance(body.get("tools"), list) else None)
 
 
 def has_constraint(sampling: Mapping[str, Any]) -> bool:
@@ -134,6 +158,7 @@ def normalize(req: ChatRequest, body: Mapping[str, Any]) -> NormalizedChat:
     100K-token history), since the renderer applies vLLM's message preprocessing itself."""
     messages = list(body["messages"])
     tools = stable_tool_definitions(list(body["tools"]) if req.tools else None)
+    constraints.check_tool_schemas(tools)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     choice = constraints.tool_choice(req.tool_choice, tools)

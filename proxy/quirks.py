@@ -129,13 +129,14 @@ def is_summary_request(body: Mapping[str, Any]) -> bool:
 
 def _system_text(body: Mapping[str, Any]) -> str:
     system = body.get("system")  # Anthropic shape
-    if system is None:
-        for msg in body.get("messages") or ():
+    messages = body.get("messages")
+    if system is None and isinstance(messages, list):  # read before validation: any shape may come
+        for msg in messages:
             if isinstance(msg, dict) and msg.get("role") in ("system", "developer"):
                 system = msg.get("content")
                 break
     if isinstance(system, list):
-        return "".join(p.get("text", "") for p in system if isinstance(p, dict))
+        return "".join(p["text"] for p in system if isinstance(p, dict) and isinstance(p.get("text"), str))
     return system.strip() if isinstance(system, str) else ""
 
 

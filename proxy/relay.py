@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from proxy.http import SSE_HEADERS, read_json
+from proxy.normalize import check_generation_fields
 from proxy.services import Services
 from proxy.upstream import forward_headers
 
@@ -19,8 +20,9 @@ async def relay(services: Services, request: Request, path: str) -> Response:
     started = time.perf_counter()
     upstream = services.up()
     raw = await request.body()
-    if raw and request.method == "POST":
-        body = await read_json(request)
+    if request.method == "POST":  # every POST route vLLM serves takes JSON: an empty body is a 400 here
+        body = await read_json(request, services.settings.limits.max_json_depth)
+        check_generation_fields(body)
         if "model" in body:
             body["model"] = (await upstream.model()).upstream_id
         raw = json.dumps(body).encode()

@@ -49,7 +49,7 @@ def turn_router(services: Services) -> APIRouter:
     anthropic_wire = AnthropicWire(services.settings.model_name)
 
     async def ingest(request: Request, read: Callable[..., TurnRequest], route: str) -> TurnRequest:
-        body = await read_json(request)
+        body = await read_json(request, services.settings.limits.max_json_depth)
         info = await services.up().model()
         return read(body, request.headers, max_model_len=info.max_model_len, route=route)
 

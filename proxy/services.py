@@ -31,7 +31,9 @@ class Services:
     def build(cls, settings: Settings) -> Services:
         metrics = Metrics()
         quirk_log = QuirkLog(metrics.registry)
-        return cls(settings, metrics, quirk_log, Ingress(quirk_log, default_thinking=settings.default_thinking),
+        model = settings.model_name if settings.limits.strict_model else None
+        return cls(settings, metrics, quirk_log, Ingress(quirk_log, default_thinking=settings.default_thinking,
+                                                         model=model),
                    observer=Observer(metrics))
 
     def up(self) -> Upstream:

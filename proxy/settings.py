@@ -63,6 +63,18 @@ class EngineGeometry(_Frozen):
         return self.state_slots_per_seat * self.gdn_groups + self.drafter_blocks_per_seat
 
 
+class InputLimits(_Frozen):
+    """Bounds on what a client may send, checked before any work is done for it (proxy/auth.py for the
+    body size, proxy/http.py for the JSON). Real agent requests stay far below: a 200K-token history is
+    ~1 MB of JSON, a few screenshots a few MB more; 32 MiB leaves room for images and refuses a flood."""
+
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)  # larger bodies: 413, counted as streamed
+    max_json_depth: int = Field(default=64, ge=8)  # deepest JSON nesting (a tool schema's is ~10-15)
+    # Off by default: one model is served and harnesses name it in their own ways (DeepSeek Harness
+    # sends its "flash" model name for side requests). On: any other name is a 404 model_not_found.
+    strict_model: bool = False
+
+
 class UpstreamConfig(_Frozen):
     name: str = "engine-0"
     url: str
@@ -86,6 +98,10 @@ class Settings(_Frozen):
     model_name: str = "default"
     api_key_file: Path | None = None
     api_key: str | None = Field(default=None, repr=False, exclude=True)
+    # More client keys: files of one key a line (mode 0600), read by `load`; any key opens every route.
+    api_key_files: tuple[Path, ...] = ()
+    api_keys: tuple[str, ...] = Field(default=(), repr=False, exclude=True)
+    limits: InputLimits = InputLimits()
     redis_url: str | None = None
     # Embedded store bounds: a transcript of a 100K-token session is ~400 KB packed, so 256 sessions
     # stay well under 128 MB even in the worst case.
@@ -128,9 +144,14 @@ class Settings(_Frozen):
         """The engine (serving over several engines is the scale-out work; one is configured today)."""
         return self.upstreams[0]
 
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every client key this proxy accepts (none: no key is asked for)."""
+        return ((self.api_key,) if self.api_key else ()) + self.api_keys
+
     def check_exposure(self) -> None:
         """Refuse to serve a non-loopback address without a key (the engine behind us has none)."""
-        if self.api_key or _is_loopback(self.host):
+        if self.keys or _is_loopback(self.host):
             return
         raise ValueError(
             f"refusing to bind {self.host!r} without an API key; give api_key_file or bind 127.0.0.1"
@@ -149,7 +170,8 @@ class Settings(_Frozen):
             for u in settings.upstreams
         )
         key = read_key(settings.api_key_file) if settings.api_key_file else None
-        return settings.model_copy(update={"upstreams": upstreams, "api_key": key})
+        more = tuple(k for f in settings.api_key_files for k in read_keys(f))
+        return settings.model_copy(update={"upstreams": upstreams, "api_key": key, "api_keys": more})
 
     def dump(self, path: Path) -> None:
         """Write the config (no secrets: key files by path) readable by its owner only."""
@@ -167,6 +189,18 @@ def read_key(path: Path) -> str:
     if not key:
         raise ValueError(f"API key file {path} is empty")
     return key
+
+
+def read_keys(path: Path) -> tuple[str, ...]:
+    """A key file of one key a line (blank lines and `#` comments skipped), for several clients."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read API key file {path}: {exc}") from exc
+    keys = tuple(k for k in (line.strip() for line in lines) if k and not k.startswith("#"))
+    if not keys:
+        raise ValueError(f"API key file {path} holds no key")
+    return keys
 
 
 def _is_loopback(host: str) -> bool:

@@ -49,6 +49,7 @@ def message_id() -> str:
 def anthropic_error(exc: ProxyError) -> dict[str, Any]:
     """Anthropic's error body; its `type` names follow the HTTP status as Anthropic's own API does."""
     kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             413: "request_too_large", 415: "invalid_request_error",
              429: "rate_limit_error", 503: "overloaded_error"}
     return {"type": "error", "error": {"type": kinds.get(exc.status, "api_error"), "message": exc.message}}
 

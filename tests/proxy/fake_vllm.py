@@ -62,7 +62,10 @@ class FakeVLLM:
         self.requests.append(body)
         if self.fail_with is not None:
             return web.json_response({"error": {"message": "boom", "type": "x", "code": None}}, status=self.fail_with)
-        prompt = body["prompt"]
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str | list):  # vLLM's own answer to a body without a prompt
+            return web.json_response({"error": {"message": "prompt: Field required", "type": "BadRequestError",
+                                                "param": "prompt", "code": 400}}, status=400)
         n_prompt = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
         ids, texts, finish = self._next_script()
         limit = body.get("max_tokens") or len(ids)
