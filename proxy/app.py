@@ -63,7 +63,8 @@ def create_app(
         if owns_store:
             services.store = make_store(settings.redis_url, max_sessions=settings.max_sessions,
                                         ttl_s=settings.session_ttl_s, per_session=settings.snapshots_per_session,
-                                        path=str(settings.store_file) if settings.store_file else None)
+                                        path=str(settings.store_file) if settings.store_file else None,
+                                        outage=settings.redis_outage, timeout_s=settings.redis_timeout_s)
         scheduler: Scheduler | None = None
         if chat_format is not None and services.upstream is not None and services.store is not None:
             if admission is None:  # default: admit by the engine's KV pool geometry (proxy/scheduler)
