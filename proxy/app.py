@@ -6,6 +6,7 @@ Wiring happens in the lifespan (the aiohttp session needs the running loop); tes
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -108,6 +109,7 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        metrics.tasks.set(len(asyncio.all_tasks()))
         if services.store is not None:
             metrics.sessions.set(await services.store.count())
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

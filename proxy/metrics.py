@@ -59,6 +59,9 @@ class Metrics:
         self.warmups = Counter(f"{ns}_warmups", "Next-turn warm-up prefills", ["outcome"], registry=r)
         self.sessions = Gauge(f"{ns}_store_sessions", "Sessions held by the transcript store", registry=r)
         self.inflight = Gauge(f"{ns}_inflight_requests", "Requests being served", registry=r)
+        # Read at each scrape: a count that keeps growing while the load is flat is a leak
+        # (backend/tools/soak.py fails on it).
+        self.tasks = Gauge(f"{ns}_event_loop_tasks", "asyncio tasks alive in the proxy's event loop", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
