@@ -104,12 +104,16 @@ class FallbackStore:
                 for session in sorted(self.deleted):
                     await self.redis.delete(session)
                     self.deleted.discard(session)
-                for session in sorted(self.dirty):
-                    for snap in reversed(await self.memory.load(session)):  # oldest first
+                while self.dirty:
+                    session = min(self.dirty)
+                    snaps = await self.memory.load(session)
+                    for snap in reversed(snaps):  # oldest first
                         await self.redis.save(session, snap)
-                    await self.memory.delete(session)
-                    self.dirty.discard(session)
-                    self.written_back += 1
+                    # A turn that ended during these awaits went to memory (still down): write again.
+                    if [s.snapshot_id for s in await self.memory.load(session)] == [s.snapshot_id for s in snaps]:
+                        await self.memory.delete(session)
+                        self.dirty.discard(session)
+                        self.written_back += 1
             except _DOWN as exc:
                 self._next_probe = self._clock() + self.probe_s
                 log.debug("transcript store: Redis still down: %s", exc)
