@@ -159,6 +159,7 @@ def first_difference(on: list[list[list[int]]], off: list[list[list[int]]]) -> s
     return None
 
 
+@pytest.mark.timeout(1500)  # two engine start-ups: 7 min each were seen on a loaded 2-core machine
 def test_spec_and_prefix_caching_change_no_token(tmp_path: Path) -> None:
     from backend.models import prepare_model
     from tests.engine_patches.test_eot_spec import eot_spec_patched
