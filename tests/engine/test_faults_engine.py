@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +43,14 @@ RECOVERY_BOUND_S = 1.0
 @pytest.fixture(scope="module")
 def own_engine() -> Iterator[tuple[Engine, ManagedProcess]]:
     engine, proc = _start_engine("cpu-smol")
+    assert proc.proc is not None
+    group = proc.proc.pid  # ManagedProcess starts it as its own process group's leader
     yield engine, proc
-    proc.stop()  # its whole process group: the killed server's EngineCore child too
+    proc.stop()
+    # After the SIGKILL the leader is gone, so stop() signals nobody: what the killed server left behind in
+    # its group (vLLM's resource tracker was seen outliving it) is killed here.
+    with suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGKILL)
 
 
 @dataclass
