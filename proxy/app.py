@@ -6,6 +6,7 @@ Wiring happens in the lifespan (the aiohttp session needs the running loop); tes
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -65,7 +66,8 @@ def create_app(
         if owns_store:
             services.store = make_store(settings.redis_url, max_sessions=settings.max_sessions,
                                         ttl_s=settings.session_ttl_s, per_session=settings.snapshots_per_session,
-                                        path=str(settings.store_file) if settings.store_file else None)
+                                        path=str(settings.store_file) if settings.store_file else None,
+                                        outage=settings.redis_outage, timeout_s=settings.redis_timeout_s)
         scheduler: Scheduler | None = None
         source = services.view().engine(up.name, up.url)  # the operator view keeps the engine's /metrics reads
         source.get_text = services.upstream.get_text if services.upstream is not None else None
@@ -113,6 +115,7 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        metrics.tasks.set(len(asyncio.all_tasks()))
         if services.store is not None:
             metrics.sessions.set(await services.store.count())
         await services.view().refresh()  # engines' vLLM series, re-exported (proxy/metrics.py)

@@ -183,6 +183,9 @@ class Metrics:
             f"{ns}_active_sessions", "Sessions on the operator view's board (the most recent ones, bounded)",
             ["harness"], registry=r,
         )
+        # Read at each scrape: a count that keeps growing while the load is flat is a leak
+        # (backend/tools/soak.py fails on it).
+        self.tasks = Gauge(f"{ns}_event_loop_tasks", "asyncio tasks alive in the proxy's event loop", registry=r)
 
     def engines(self, texts: EngineTexts) -> None:
         """Re-export the engines' vLLM series from `texts()` (called at every scrape)."""

@@ -17,7 +17,7 @@ import ipaddress
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -103,6 +103,11 @@ class Settings(_Frozen):
     api_keys: tuple[str, ...] = Field(default=(), repr=False, exclude=True)
     limits: InputLimits = InputLimits()
     redis_url: str | None = None
+    # While Redis is unreachable: "fallback" keeps transcripts in an embedded store and writes them back
+    # when it returns (a transcript only saves a re-prefill, so agents keep working); "refuse" answers
+    # 503 + Retry-After (for proxies sharing Redis, where one proxy's memory is invisible to the rest).
+    redis_outage: Literal["fallback", "refuse"] = "fallback"
+    redis_timeout_s: float = Field(default=1.0, gt=0)  # bounds each Redis call (a stopped Redis never answers)
     # Embedded store bounds: a transcript of a 100K-token session is ~400 KB packed, so 256 sessions
     # stay well under 128 MB even in the worst case.
     max_sessions: int = Field(default=256, ge=1)

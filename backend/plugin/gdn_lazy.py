@@ -34,7 +34,10 @@ __all__ = ["LazyGdnState", "copy_rows", "pad_rows", "spec_conv_update", "unpad_r
 
 
 def copy_rows(pool: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, mask: torch.Tensor) -> None:
-    """pool[dst[i]] = pool[src[i]] where mask[i] (distinct dst slots)."""
+    """pool[dst[i]] = pool[src[i]] where mask[i] (distinct dst slots). Block ids come as vLLM's block
+    tables hold them (int32); index_copy_ takes only int64 indices (an align engine died on it at its
+    first pre-copy into a new block: tests/engine/test_spec_equivalence.py)."""
+    dst, src = dst.long(), src.long()
     if pool.is_cuda and torch.cuda.is_current_stream_capturing():
         # No host sync under a CUDA graph: a dense self-copy for the rows left out.
         pool.index_copy_(0, dst, pool.index_select(0, torch.where(mask, src, dst)))

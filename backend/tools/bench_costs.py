@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 from backend.runtime import proxy_argv
 from proxy.settings import Settings, UpstreamConfig
@@ -142,49 +141,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def fake_engine_main(port: int, events: int, interval_ms: float) -> None:
-    """A fast stand-in for vLLM: /v1/completions streams `events` one-token events (ids 16, 17, ...)."""
-
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "fake", "max_model_len": 1_000_000}]})
-
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        n = int(body.get("max_tokens") or events)
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await resp.prepare(request)
-        for i in range(min(n, events)):
-            fin = "length" if i == min(n, events) - 1 else None
-            ev = {
-                "id": "cmpl",
-                "object": "text_completion",
-                "created": 0,
-                "model": "fake",
-                "choices": [
-                    {"index": 0, "text": "x", "token_ids": [16 + i % 50], "logprobs": None, "finish_reason": fin}
-                ],
-            }
-            await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
-            if interval_ms:
-                await asyncio.sleep(interval_ms / 1000)
-        await resp.write(b'data: {"id":"cmpl","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1}}\n\n')
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-    async def metrics(_: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_post("/v1/completions", completions)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
-
-
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -226,7 +182,7 @@ async def _ttfb(s: aiohttp.ClientSession, url: str, body: dict[str, Any], conten
 async def relay_costs(model_dir: Path, reps: int, streams: int, events: int) -> dict[str, float]:
     up_port, px_port = _free_port(), _free_port()
     py = sys.executable
-    fake_main = "from backend.tools.bench_costs import fake_engine_main as m; m({}, {}, {})"
+    fake_main = "from backend.tools.fake_engine import fake_engine_main as m; m({}, {}, {})"
     fake = subprocess.Popen([py, "-c", fake_main.format(up_port, 1, 0)])
     fake_slow = None
     config = Path(tempfile.mkdtemp(prefix="hh-bench-")) / "proxy.json"

@@ -1,10 +1,11 @@
 """Transcript stores behind one interface: `MemoryStore` (embedded, bounded LRU, TTL, optional file
-persistence) and `RedisStore` (redis.asyncio). A session holds at most `per_session` snapshots; saving
+persistence) and `RedisStore` (redis.asyncio), served behind `FallbackStore` (what happens while Redis
+is down: fallback.py). A session holds at most `per_session` snapshots; saving
 one drops its parent (which it extends) and then the oldest beyond the limit."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol
 
 from proxy.transcripts import Snapshot
 
@@ -28,13 +29,20 @@ class SessionStore(Protocol):
 
 
 def make_store(
-    redis_url: str | None, *, max_sessions: int, ttl_s: float, per_session: int, path: str | None = None
+    redis_url: str | None, *, max_sessions: int, ttl_s: float, per_session: int, path: str | None = None,
+    outage: Literal["fallback", "refuse"] = "fallback", timeout_s: float = 1.0,
 ) -> SessionStore:
+    """The embedded store, or Redis behind `FallbackStore` with the configured outage behaviour (an
+    embedded store of the same bounds holds what is written while Redis is down)."""
+    from proxy.store.memory import MemoryStore
+
     if redis_url:
+        from proxy.store.fallback import FallbackStore
         from proxy.store.redis import RedisStore
 
-        return RedisStore.from_url(redis_url, ttl_s=ttl_s, per_session=per_session)
-    from proxy.store.memory import MemoryStore
+        redis = RedisStore.from_url(redis_url, ttl_s=ttl_s, per_session=per_session, timeout_s=timeout_s)
+        memory = MemoryStore(max_sessions=max_sessions, ttl_s=ttl_s, per_session=per_session)
+        return FallbackStore(redis, memory, outage=outage, probe_s=timeout_s)
 
     return MemoryStore(max_sessions=max_sessions, ttl_s=ttl_s, per_session=per_session, path=path)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from proxy.transcripts import Snapshot
 
@@ -25,8 +27,18 @@ class RedisStore:
         self.per_session = per_session
 
     @classmethod
-    def from_url(cls, url: str, *, ttl_s: float = 6 * 3600, per_session: int = 4) -> RedisStore:
-        return cls(aioredis.from_url(url, decode_responses=False), ttl_s=ttl_s, per_session=per_session)
+    def from_url(cls, url: str, *, ttl_s: float = 6 * 3600, per_session: int = 4,
+                 timeout_s: float | None = None) -> RedisStore:
+        """`timeout_s` bounds every call (connect and each reply) and turns redis-py's retries off, so a
+        stopped Redis fails a call in `timeout_s` instead of hanging the turn (proxy/store/fallback.py)."""
+        if timeout_s is None:
+            return cls(aioredis.from_url(url, decode_responses=False), ttl_s=ttl_s, per_session=per_session)
+        client = aioredis.from_url(url, decode_responses=False, socket_timeout=timeout_s,
+                                   socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+        return cls(client, ttl_s=ttl_s, per_session=per_session)
+
+    async def ping(self) -> None:
+        await self.client.ping()
 
     async def load(self, session: str) -> list[Snapshot]:
         key = _PREFIX + session
