@@ -9,6 +9,7 @@ comes with vLLM). The seam for tests is the
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -61,6 +62,8 @@ def _drop_prompt_ids(data: bytes) -> bytes:
 # "Server disconnected" (seen in CI under load). The pool lets go well before the server does, and a
 # request that still meets a closed pooled connection is sent again (`Upstream._send`).
 KEEPALIVE_S = 3.0
+# How long the end of a response is awaited after `[DONE]` before the connection is dropped instead.
+_END_WAIT_S = 0.5
 _REUSE_RETRIES = 2
 
 
@@ -165,11 +168,24 @@ class EventStream:
                         datas[0] = _drop_prompt_ids(datas[0])
                         self._first = False
                     return [_EVENT.decode(d) for d in datas]
+            await self._finish_body()
             return None
         except (aiohttp.ClientError, OSError) as exc:
             raise UpstreamError(f"upstream stream broke: {exc}") from exc
         except ValueError as exc:
             raise UpstreamError(f"upstream sent a malformed event: {exc}") from exc
+
+    async def _finish_body(self) -> None:
+        """After `[DONE]`, read the response's end (the chunked terminator, sent right after it) so the
+        connection goes back to the pool: closing it unfinished would make the next request open a new
+        one (a connect on both sides, measured as most of the per-request gap to a bare relay)."""
+        content = self._resp.content
+        try:
+            async with asyncio.timeout(_END_WAIT_S):
+                while not content.at_eof() and await content.readany():
+                    pass
+        except TimeoutError:
+            pass  # an engine that keeps the response open: close() drops the connection
 
     async def batches(self) -> AsyncIterator[list[Event]]:
         """`read_batch()` as an async iterator (for callers that want one); closes the stream at the end."""

@@ -80,9 +80,18 @@ def vllm_like_main(port: int) -> None:
     async def empty(_: web.Request) -> web.Response:
         return web.Response(text="")
 
+    # A pool as vLLM reports it, large enough never to queue: without geometry the proxy's admission
+    # would read /metrics on every request, a cost a real engine does not cause.
+    metrics_text = ('vllm:cache_config_info{block_size="16",enable_prefix_caching="True",engine="0",'
+                    'mamba_cache_mode="none",num_gpu_blocks="1000000"} 1.0\n'
+                    'vllm:kv_cache_usage_perc{engine="0"} 0.0\n')
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=metrics_text)
+
     app = web.Application()
     app["pace_ms"] = 0.0  # milliseconds per token, set by POST /_pace?ms=
-    app.router.add_get("/metrics", empty)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", empty)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/_pace", pace)
