@@ -30,7 +30,7 @@ from proxy.plan import Plan, Planner
 from proxy.reply import DeltaEvent, FinalEvent, TurnEvent, Usage, assistant_message, finish_reason, tool_call_id
 from proxy.store import SessionStore
 from proxy.transcripts import Snapshot, message_key
-from proxy.upstream import EventStream, Upstream
+from proxy.upstream import Event, EventStream, Upstream
 
 log = logging.getLogger("proxy.turn")
 
@@ -197,10 +197,28 @@ class Turn:
         svc, route = self.service, self.request.route
         parser = svc.parser(self.plan)
         gate = ArgumentsGate()
+        lp = self.logprobs
         try:
-            async for deltas in self._deltas(parser):
-                lp = (self.logprobs.take() or None) if self.logprobs is not None else None
-                yield DeltaEvent(gate.filter(deltas), lp)
+            # One loop from the upstream read to the wire's chunk: no generator layer in between
+            # (each costs a hop per read), and the per-event work is only what the transcript needs.
+            read, first = self.stream.read_batch, True
+            batch = await read()
+            if batch is not None:
+                self.ticket.prefilled()  # the ticket learns once that this prompt is computed
+            while batch is not None:
+                new = self._take(batch)
+                if new:
+                    self.generated.extend(new)
+                    deltas = parser.feed(new)
+                    if deltas:
+                        if first:
+                            svc.metrics.ttfb.labels(route).observe(time.perf_counter() - self.request.received)
+                            first = False
+                        yield DeltaEvent(gate.filter(deltas), (lp.take() or None) if lp is not None else None)
+                batch = await read()
+            rest = parser.finish()
+            if rest:
+                yield DeltaEvent(gate.filter(rest), (lp.take() or None) if lp is not None else None)
             yield await self._finish(parser, gate)
             svc.metrics.requests.labels(route, "200").inc()
         except ProxyError as exc:
@@ -222,41 +240,32 @@ class Turn:
     def logprobs_body(self) -> dict[str, Any] | None:
         return self.logprobs.body() if self.logprobs is not None else None
 
-    async def _deltas(self, parser: OutputParser) -> AsyncIterator[list[Delta]]:
-        """Parser deltas per upstream read (one or more events); records generated ids, finish reason
-        and usage."""
-        first = True
-        prefilled = True  # the ticket learns once that this prompt is computed
+    def _take(self, batch: list[Event]) -> list[int]:
+        """The generated ids of one read's events; records finish reason, usage and logprobs."""
         lp = self.logprobs
-        async for batch in self.stream.batches():
-            if prefilled:
-                self.ticket.prefilled()
-                prefilled = False
-            new: list[int] = []
-            for event in batch:
-                if "error" in event and not event.get("choices"):
-                    raise UpstreamError(f"engine error mid-stream: {event['error']}")
-                if event.get("usage"):
-                    self.usage = event["usage"]
-                for choice in event.get("choices") or ():
-                    new.extend(choice.get("token_ids") or ())
-                    if lp is not None:
-                        lp.add(choice.get("logprobs"), choice.get("token_ids") or [])
-                    if choice.get("finish_reason"):
-                        self.upstream_finish = choice["finish_reason"]
-            if not new:
-                continue
-            self.generated.extend(new)
-            deltas = parser.feed(new)
-            if deltas:
-                if first:
-                    ttfb = time.perf_counter() - self.request.received
-                    self.service.metrics.ttfb.labels(self.request.route).observe(ttfb)
-                    first = False
-                yield deltas
-        rest = parser.finish()
-        if rest:
-            yield rest
+        if len(batch) == 1 and lp is None:  # the common case: one event, one choice
+            event = batch[0]
+            choices = event.choices
+            if choices and len(choices) == 1 and event.error is None:
+                choice = choices[0]
+                if event.usage:
+                    self.usage = event.usage
+                if choice.finish_reason:
+                    self.upstream_finish = choice.finish_reason
+                return choice.token_ids or []
+        new: list[int] = []
+        for event in batch:
+            if event.error is not None and not event.choices:
+                raise UpstreamError(f"engine error mid-stream: {event.error}")
+            if event.usage:
+                self.usage = event.usage
+            for choice in event.choices or ():
+                new.extend(choice.token_ids or ())
+                if lp is not None:
+                    lp.add(choice.logprobs, choice.token_ids or [])
+                if choice.finish_reason:
+                    self.upstream_finish = choice.finish_reason
+        return new
 
     def _usage(self) -> Usage:
         u = self.usage or {}

@@ -8,6 +8,10 @@
 3. proxy CPU per streamed event (from /proc/PID/stat), pass-through and chat.
 
     python -m backend.tools.bench_costs --model-dir ~/.cache/hyperharness/models/tiny-qwen-hybrid-v1
+
+`--hot-path` runs backend/tools/bench_hotpath.py instead (issue 28: a bare relay, our pass-through and
+chat mode side by side, pinned, at C = 1/8/32, fast and engine-paced, with the goals as pass/fail); the
+arguments after it are that tool's.
 """
 
 from __future__ import annotations
@@ -250,6 +254,11 @@ async def relay_costs(model_dir: Path, reps: int, streams: int, events: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--hot-path" in argv:
+        from backend.tools.bench_hotpath import main as hot_path
+
+        return hot_path([a for a in argv if a != "--hot-path"])
     ap = argparse.ArgumentParser(prog="python -m backend.tools.bench_costs", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", type=Path, required=True)
     ap.add_argument("--tokens", type=int, default=100_000)

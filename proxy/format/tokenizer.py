@@ -264,7 +264,11 @@ class IncrementalDecoder:
         self._pending = b""
 
     def feed(self, token_ids: Sequence[int]) -> str:
-        data = self._pending + b"".join(self._tok.token_bytes(i) for i in token_ids)
+        token_bytes = self._tok.token_bytes
+        if len(token_ids) == 1:  # one token per read, the usual case: no generator, no join
+            data = self._pending + token_bytes(token_ids[0])
+        else:
+            data = self._pending + b"".join(map(token_bytes, token_ids))
         # A UTF-8 character is at most 4 bytes: only the last 3 bytes can be an incomplete one.
         for cut in range(len(data), max(len(data) - 4, -1), -1):
             try:

@@ -332,7 +332,9 @@ class AnthropicWire:
         try:
             yield stream.start()
             async for ev in turn.events():
-                for out in stream.deltas(ev.deltas) if isinstance(ev, DeltaEvent) else stream.end(ev):
+                # One write per upstream read: its events joined, not one ASGI send per event.
+                out = b"".join(stream.deltas(ev.deltas) if isinstance(ev, DeltaEvent) else stream.end(ev))
+                if out:
                     yield out
         except ProxyError as exc:
             yield error_event(exc)

@@ -38,6 +38,8 @@ def sse(data: Any) -> bytes:
 
 
 DONE = b"data: [DONE]\n\n"
+_ENCODE = msgspec.json.encode
+_OPEN_TAIL = b',"logprobs":null,"finish_reason":null}]}\n\n'  # a chunk that does not finish the choice
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
@@ -57,13 +59,18 @@ class ChunkWriter:
         head = f'{{"id":{_dumps(cid)},"object":"chat.completion.chunk","created":{created},"model":{_dumps(model)},'
         self._prefix = (head + '"choices":[{"index":0,"delta":').encode()
         self._head = head.encode()
+        # Per token only the delta's text is encoded; the pieces around it are built once per response.
+        self._content = b"data: " + self._prefix + b'{"content":'
+        self._reasoning = b"data: " + self._prefix + b'{"reasoning_content":'
         self.tool_calls = 0
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs: list[Any] | None = None) -> bytes:
         if logprobs is not None:
             return self._chunk_logprobs(delta, finish, logprobs)
-        tail = ',"logprobs":null,"finish_reason":' + (_dumps(finish) if finish else "null") + "}]}\n\n"
-        return b"data: " + self._prefix + msgspec.json.encode(delta) + tail.encode()
+        if finish is None:
+            return b"data: " + self._prefix + _ENCODE(delta) + _OPEN_TAIL
+        tail = ',"logprobs":null,"finish_reason":' + _dumps(finish) + "}]}\n\n"
+        return b"data: " + self._prefix + _ENCODE(delta) + tail.encode()
 
     def _chunk_logprobs(self, delta: dict[str, Any], finish: str | None, logprobs: list[Any]) -> bytes:
         lp = b',"logprobs":{"content":' + msgspec.json.encode(logprobs) + b"}"
@@ -85,6 +92,13 @@ class ChunkWriter:
         `deltas` is empty). `logprobs` (chat `logprobs.content` entries) ride on the first chunk."""
         if logprobs is not None:
             return self._deltas_logprobs(deltas, logprobs)
+        if len(deltas) == 1:  # the common case, one text delta per read: no dict, no join
+            d = deltas[0]
+            if d.kind is DeltaKind.CONTENT:
+                return self._content + _ENCODE(d.text) + b"}" + _OPEN_TAIL
+            if d.kind is DeltaKind.REASONING:
+                enc = _ENCODE(d.text)
+                return self._reasoning + enc + b',"reasoning":' + enc + b"}" + _OPEN_TAIL
         out: list[bytes] = []
         text: dict[str, str] = {}
         for d in deltas:
