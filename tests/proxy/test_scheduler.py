@@ -147,6 +147,55 @@ async def test_reserve_keeps_room_for_the_main_agent() -> None:
     (await third).release()
 
 
+async def test_reserve_is_sized_from_the_main_agents_observed_demand() -> None:
+    s = sched(blocks=100, block=10, reserve_fraction=0.3, reserve_seats=1)
+    assert s.reserve.current(100, None).blocks == 30  # nothing seen yet: the configured prior
+    main = await s.acquire(foot("main", 50, priority="interactive"))  # the main agent's turns: 5 blocks
+    main.release()
+    assert s.reserve.current(100, None).blocks == 5
+    subs = [await s.acquire(foot(f"sub{i}", 100)) for i in range(9)]  # 9 x 10 blocks + 5 kept (prior: 7)
+    tenth = asyncio.ensure_future(s.acquire(foot("sub9", 100)))
+    await settle()
+    assert not tenth.done()
+    main = await asyncio.wait_for(s.acquire(foot("main", 50, priority="interactive")), 1)  # starts at once
+    assert s.used_blocks == 95
+    main.release()
+    for t in subs:
+        t.release()
+    (await tenth).release()
+
+
+async def test_reserve_is_headroom_beyond_what_the_main_agent_holds() -> None:
+    s = sched(blocks=100, block=10, reserve_window_s=0.2)
+    main = await s.acquire(foot("main", 100, priority="interactive"))  # observed: 10 blocks, 1 seat
+    subs = [await s.acquire(foot(f"sub{i}", 300)) for i in range(3)]  # 10 + 90: the reserve is in use
+    assert s.used_blocks == 100
+    main.release()
+    nxt = asyncio.ensure_future(s.acquire(foot("sub3", 10)))
+    await settle()
+    assert not nxt.done()  # 90 + 1 + the 10 kept for the main agent > 100
+    await asyncio.sleep(0.25)  # no main-agent turn for the whole window: back to the prior (0 here)
+    subs[0].release()
+    (await asyncio.wait_for(nxt, 1)).release()
+    for t in subs[1:]:
+        t.release()
+
+
+async def test_backfill_takes_requests_that_fit_the_gap_and_are_small_against_the_head() -> None:
+    s = sched(blocks=100, block=10, backfill_bound_s=5, backfill_fraction=0.1)
+    running = await s.acquire(foot("r", 600))  # 60 of 100: a gap of 40
+    head = asyncio.ensure_future(s.acquire(foot("head", 600)))  # needs 60: cannot use the gap
+    await settle()
+    medium = asyncio.ensure_future(s.acquire(foot("medium", 350)))  # fits the gap, but over half the head
+    small = asyncio.ensure_future(s.acquire(foot("small", 250)))  # fits, and at most half the head: backfills
+    await settle()
+    assert small.done() and not medium.done() and not head.done()
+    running.release()
+    (await small).release()
+    (await head).release()
+    (await medium).release()
+
+
 async def test_priority_order() -> None:
     s = sched(blocks=10, block=10)
     blocker = await s.acquire(foot("x", 100))  # fills the pool
@@ -218,20 +267,51 @@ async def test_oversized_request_runs_alone() -> None:
 
 async def test_shared_prefix_counted_once_after_prefill() -> None:
     s = sched(blocks=100, block=16)
-    prompt = list(range(600))  # 2 shareable granules of 256 tokens = 32 blocks
+    prompt = list(range(600))  # 37 full blocks before the last token: shareable, block by block
     a = await s.acquire(foot("a", 600, 100, prompt=prompt))
     b = await s.acquire(foot("b", 600, 100, prompt=prompt))  # before a's prefill: its own copy
     assert s.used_blocks == 88
     b.release()
     assert isinstance(a, SeatTicket)
     a.prefilled()
-    assert s.used_blocks == 44 and a.private_blocks == 12
+    assert s.used_blocks == 44 and a.private_blocks == 44 - 37
     c = await s.acquire(foot("c", 600, 100, prompt=prompt))
-    assert s.used_blocks == 44 + 12
+    assert s.used_blocks == 44 + 7
+    d = await s.acquire(foot("d", 600, 100, prompt=prompt[:300] + [7] * 300))  # shares 18 blocks, then diverges
+    assert s.used_blocks == 51 + 44 - 18
+    d.release()
     a.release()  # the holder ends first: c still holds the shared blocks
     assert s.used_blocks == 44
     c.release()
     assert s.used_blocks == 0
+
+
+async def test_recently_finished_prefix_is_counted_once_from_admission() -> None:
+    """A parent's prefix that vLLM still caches (its request just ended) is a hit for the first subagent
+    at once, so the subagents started together share it instead of each holding a copy."""
+    s = sched(blocks=300, block=16)
+    parent = list(range(1600))  # 99 shareable blocks
+    main = await s.acquire(foot("main", 1600, 10, "interactive", prompt=parent))
+    assert isinstance(main, SeatTicket)
+    main.prefilled()
+    main.release()
+    subs = [await s.acquire(foot(f"sub{i}", 1700, 50, prompt=parent + [i] * 100)) for i in range(3)]
+    # the first pays the prefix (cached blocks leave the free pool when hit), the others only their tails
+    assert s.used_blocks == 110 + 2 * (110 - 99)
+    assert all(isinstance(t, SeatTicket) and t.shared == subs[0].shared for t in subs)  # type: ignore[union-attr]
+    for t in subs:
+        t.release()
+    assert s.used_blocks == 0
+    stale = Scheduler(SchedulerConfig(reserve_fraction=0, reserve_seats=0, prefix_recent_s=0),
+                      geometry=PoolGeometry(num_blocks=400, block_size=16))  # the main agent keeps 101
+    m = await stale.acquire(foot("main", 1600, 10, "interactive", prompt=parent))
+    m.prefilled()
+    m.release()
+    await asyncio.sleep(0.01)  # past the window: the engine may have evicted them, so each pays its own
+    subs = [await stale.acquire(foot(f"sub{i}", 1700, 50, prompt=parent + [i] * 100)) for i in range(2)]
+    assert stale.used_blocks == 2 * 110
+    for t in subs:
+        t.release()
 
 
 async def test_cancel_leaves_the_queue_and_frees_a_granted_seat() -> None:
