@@ -36,12 +36,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from backend import geometry
-from backend.launcher import ManagedProcess, engine_argv, engine_env, free_port, wait_healthy
-from backend.models import prepare_model
-from backend.profiles import load_profile
-from backend.runtime import proxy_argv, proxy_settings
-
 _PREEMPT = re.compile(r"^vllm:num_preemptions_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
 _WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
           "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split(" ")
@@ -384,6 +378,13 @@ async def _pool_tokens(engine: str) -> int:
 async def regime(mode: str, profile_name: str, engine_url: str | None, log_dir: Path,
                  load_kw: dict[str, Any]) -> tuple[str, list[Goal]]:
     """One regime (short | long) against one engine of `profile_name`: direct, then through a proxy."""
+    # Imported here: the load and sizing helpers above are used by tests that start no engine.
+    from backend import geometry
+    from backend.launcher import ManagedProcess, engine_argv, engine_env, free_port, wait_healthy
+    from backend.models import prepare_model
+    from backend.profiles import load_profile
+    from backend.runtime import proxy_argv, proxy_settings
+
     profile = load_profile(profile_name)
     model_dir = prepare_model(profile.model.embedded) if profile.model.embedded else Path(str(profile.model.path))
     engine_proc = None

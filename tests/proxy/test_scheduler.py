@@ -491,3 +491,31 @@ async def test_anthropic_stream_queued_gets_keepalives_and_leaves_on_disconnect(
             assert len(s.queue) == 0 and s.running == 1
             assert (await running).status_code == 200
     assert s.running == 0 and len(fake.requests) == 1  # the queued request never reached the engine
+
+
+async def test_long_regime_is_sized_so_direct_admission_must_preempt() -> None:
+    """The bench's long regime on cpu-fanout-long's pool: every prompt fits the pool at once (vLLM admits
+    them all), their worst cases do not (so it preempts while they decode); the scheduler, counting the
+    parent once, starts several side by side but not all."""
+    from backend.tools.bench_fanout import long_load, recompute_bound
+
+    pool_blocks, block = 160, 32
+    load, prompt, parent = long_load("m", pool_blocks * block, 4096, tokens_per_word=1.0)
+    assert parent + load.subagents * (prompt - parent) <= pool_blocks * block
+    assert parent + load.subagents * (prompt - parent + load.sub_tokens) > 1.25 * pool_blocks * block
+    assert prompt + load.sub_tokens <= 4096
+    s = sched(blocks=pool_blocks, block=block)
+    shared = list(range(parent))
+    first = await s.acquire(foot("sub0", prompt, load.sub_tokens, prompt=shared + [0] * (prompt - parent)))
+    assert isinstance(first, SeatTicket)
+    first.prefilled()  # the parent is computed: the others count only their own tails
+    rest = [asyncio.ensure_future(s.acquire(foot(f"sub{i}", prompt, load.sub_tokens,
+                                                 prompt=shared + [i] * (prompt - parent))))
+            for i in range(1, load.subagents)]
+    await settle()
+    started = 1 + sum(t.done() for t in rest)
+    assert 3 <= started < load.subagents and s.used_blocks <= pool_blocks
+    first.release()
+    for t in rest:
+        (await t).release()
+    assert recompute_bound([10, 500], prompt, parent, load.sub_tokens) == 2 * (prompt - parent) + 10 + load.sub_tokens
