@@ -85,7 +85,6 @@ class Scheduler:
         self._running: dict[str, int] = {}  # session -> admitted requests
         self._by_class = [0 for _ in Priority]
         self._interactive_blocks = 0  # what running interactive requests added (their held demand)
-        self._interactive_private = 0  # of their worst cases, the blocks beyond a cached prompt prefix
         cfg = self.config
         self.reserve = DemandReserve(cfg.reserve_fraction, cfg.reserve_seats, cfg.reserve_window_s,
                                      cfg.reserve_max_fraction)
@@ -206,11 +205,9 @@ class Scheduler:
         self._running[w.session] = self._running.get(w.session, 0) + 1
         self._by_class[w.priority] += 1
         if w.priority == Priority.INTERACTIVE:
-            # Demand is sized by the blocks beyond the prompt prefix the engine caches: a main agent's turn
-            # re-sends its whole conversation, which its running subagents hold as their shared parent.
+            # Demand: the blocks beyond the prompt prefix the engine caches (reserve.py).
             self._interactive_blocks += need
-            self._interactive_private += private
-            self.reserve.observe(self._interactive_private, self._by_class[Priority.INTERACTIVE])
+            self.reserve.observe(private, self._by_class[Priority.INTERACTIVE])
         m = self.metrics
         m.admitted.labels(w.priority.label, how).inc()
         m.wait.labels(w.priority.label).observe(time.monotonic() - w.enqueued)
@@ -227,8 +224,6 @@ class Scheduler:
         # Those blocks move from this ticket's private count to the shared index (same blocks).
         moved = len(new) * self._block_cost()
         t.private_blocks -= moved
-        if t.priority == Priority.INTERACTIVE:
-            self._interactive_private -= moved
         self._private -= moved
         t.shared.extend(new)
         self._publish_counts()
@@ -240,7 +235,6 @@ class Scheduler:
         self._recent.add(t.hashes if t.materialized else t.shared)  # computed: vLLM keeps them cached
         if t.priority == Priority.INTERACTIVE:
             self._interactive_blocks -= t.added
-            self._interactive_private -= t.private_blocks
         left = self._running.get(t.session, 0) - 1
         if left > 0:
             self._running[t.session] = left

@@ -165,6 +165,17 @@ async def test_reserve_is_sized_from_the_main_agents_observed_demand() -> None:
     (await tenth).release()
 
 
+async def test_reserve_follows_the_usual_turn_not_a_rare_large_one() -> None:
+    s = sched(blocks=200, block=10)
+    for tokens in (900, 50, 50, 50, 50):  # a conversation's first turn (nothing cached), then short turns
+        (await s.acquire(foot("main", tokens, priority="interactive"))).release()
+    assert s.reserve.current(200, None).blocks == 5
+    for _ in range(15):  # a main agent that keeps sending large turns gets room for them
+        (await s.acquire(foot("main", 900, priority="interactive"))).release()
+    assert s.reserve.current(200, None).blocks == 90
+    assert s.reserve.current(100, None).blocks == 50  # never more than reserve_max_fraction
+
+
 async def test_reserve_is_headroom_beyond_what_the_main_agent_holds() -> None:
     s = sched(blocks=100, block=10, reserve_window_s=0.2)
     main = await s.acquire(foot("main", 100, priority="interactive"))  # observed: 10 blocks, 1 seat
