@@ -13,7 +13,10 @@ blocks, but only once some holder has *computed* them:
   holds its own copy;
 - blocks of a request that finished moments ago still sit in vLLM's cache (free but hashed, evicted
   only when the free queue reaches them): a request that starts with them hits at once, so they are
-  counted once from its admission (`RecentPrefixes`), and later requests share them too. They earn no
+  counted once from its admission (`RecentPrefixes`), and later requests share them too. vLLM appends
+  freed blocks to the tail of its free queue and takes new ones from the head, so they outlive at least
+  as many allocations as the pool had free when they were freed; the proxy trusts them only until it
+  has admitted that many blocks since (and for at most `ttl_s`, for traffic it does not see). They earn no
   discount for the first request that re-uses them (a hit on a free block takes it out of the free
   pool exactly like a miss); the saving is that its followers do not pay for them again.
 """
@@ -106,28 +109,31 @@ class RecentPrefixes:
     def __init__(self, capacity: int, ttl_s: float) -> None:
         self.capacity = capacity
         self.ttl_s = ttl_s
-        self._seen: OrderedDict[bytes, float] = OrderedDict()
+        self._seen: OrderedDict[bytes, tuple[float, int]] = OrderedDict()  # -> (freed at, evicted after)
 
     def __len__(self) -> int:
         return len(self._seen)
 
-    def add(self, hashes: Iterable[bytes], now: float | None = None) -> None:
+    def add(self, hashes: Iterable[bytes], evicted_after: int, now: float | None = None) -> None:
+        """Blocks just freed; they stay cached until the admitted-blocks count passes `evicted_after`."""
         now = time.monotonic() if now is None else now
         for h in hashes:
-            self._seen[h] = now
+            self._seen[h] = (now, evicted_after)
             self._seen.move_to_end(h)
         while len(self._seen) > max(0, self.capacity):
             self._seen.popitem(last=False)
 
-    def cached_prefix(self, hashes: Sequence[bytes], start: int, held: PrefixIndex, now: float | None = None) -> int:
-        """How many blocks from `start` on are a hit: held by a running request or recently freed."""
+    def cached_prefix(self, hashes: Sequence[bytes], start: int, held: PrefixIndex, admitted: int,
+                      now: float | None = None) -> int:
+        """How many blocks from `start` on are a hit: held by a running request or recently freed (while
+        `admitted`, the blocks admitted so far, has not reached their eviction mark)."""
         now = time.monotonic() if now is None else now
         n = start
         while n < len(hashes):
             h = hashes[n]
             if h not in held:
                 seen = self._seen.get(h)
-                if seen is None or now - seen > self.ttl_s:
+                if seen is None or now - seen[0] > self.ttl_s or admitted >= seen[1]:
                     break
             n += 1
         return n

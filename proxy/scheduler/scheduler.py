@@ -85,6 +85,7 @@ class Scheduler:
         self._running: dict[str, int] = {}  # session -> admitted requests
         self._by_class = [0 for _ in Priority]
         self._interactive_blocks = 0  # what running interactive requests added (their held demand)
+        self._admitted_total = 0  # blocks admitted since start: the clock of vLLM's free-queue evictions
         cfg = self.config
         self.reserve = DemandReserve(cfg.reserve_fraction, cfg.reserve_seats, cfg.reserve_window_s,
                                      cfg.reserve_max_fraction)
@@ -168,7 +169,8 @@ class Scheduler:
     def _cached(self, w: Waiter) -> tuple[int, int]:
         """(leading prompt blocks the engine will find cached, how many of those running requests
         already hold and are counted)."""
-        hit = self._recent.cached_prefix(w.hashes, self._prefix.shared_prefix(w.hashes), self._prefix)
+        hit = self._recent.cached_prefix(w.hashes, self._prefix.shared_prefix(w.hashes), self._prefix,
+                                         self._admitted_total)
         return hit, sum(1 for h in w.hashes[:hit] if h in self._prefix)
 
     def need(self, w: Waiter) -> int:
@@ -202,6 +204,7 @@ class Scheduler:
         ticket = SeatTicket(self, w.session, w.priority, private, tuple(w.hashes), shared, time.monotonic(),
                             backfilled=how == "backfill", added=need)
         self._private += private
+        self._admitted_total += need
         self._running[w.session] = self._running.get(w.session, 0) + 1
         self._by_class[w.priority] += 1
         if w.priority == Priority.INTERACTIVE:
@@ -230,9 +233,11 @@ class Scheduler:
         self._pump()  # requests sharing this prefix may fit now
 
     def _release(self, t: SeatTicket) -> None:
+        # Its computed blocks stay cached behind the blocks already free (at least pool - admitted worst cases).
+        free = self.geometry.num_blocks - self.used_blocks if self.geometry is not None else 0
         self._private -= t.private_blocks
         self._prefix.release(t.shared)
-        self._recent.add(t.hashes if t.materialized else t.shared)  # computed: vLLM keeps them cached
+        self._recent.add(t.hashes if t.materialized else t.shared, self._admitted_total + max(0, free))
         if t.priority == Priority.INTERACTIVE:
             self._interactive_blocks -= t.added
         left = self._running.get(t.session, 0) - 1

@@ -300,7 +300,7 @@ async def test_shared_prefix_counted_once_after_prefill() -> None:
 async def test_recently_finished_prefix_is_counted_once_from_admission() -> None:
     """A parent's prefix that vLLM still caches (its request just ended) is a hit for the first subagent
     at once, so the subagents started together share it instead of each holding a copy."""
-    s = sched(blocks=300, block=16)
+    s = sched(blocks=400, block=16)
     parent = list(range(1600))  # 99 shareable blocks
     main = await s.acquire(foot("main", 1600, 10, "interactive", prompt=parent))
     assert isinstance(main, SeatTicket)
@@ -313,6 +313,15 @@ async def test_recently_finished_prefix_is_counted_once_from_admission() -> None
     for t in subs:
         t.release()
     assert s.used_blocks == 0
+    # vLLM evicts freed blocks once as many blocks as were free before them are allocated: past that mark
+    # (at most 290 free ahead of them when the subagents ended; 3 x 100 admitted since), each pays its own again.
+    for _ in range(3):
+        (await s.acquire(foot("other", 1600))).release()
+    late = [await asyncio.wait_for(s.acquire(foot(f"late{i}", 1700, 50, prompt=parent + [i] * 100)), 1)
+            for i in range(2)]
+    assert s.used_blocks == 2 * 110
+    for t in late:
+        t.release()
     stale = Scheduler(SchedulerConfig(reserve_fraction=0, reserve_seats=0, prefix_recent_s=0),
                       geometry=PoolGeometry(num_blocks=400, block_size=16))  # the main agent keeps 101
     m = await stale.acquire(foot("main", 1600, 10, "interactive", prompt=parent))
