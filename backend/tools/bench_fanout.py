@@ -451,7 +451,8 @@ PROFILES = {"short": "cpu-fanout", "long": "cpu-fanout-long"}
 async def fanout(profile_name: str | None, engine_url: str | None, log_dir: Path, load_kw: dict[str, Any],
                  mode: str = "both", long_profile: str | None = None) -> str:
     """`mode` short | long | both (each regime on an engine of its own profile, one after the other);
-    `engine_url` reuses a running engine (one regime only)."""
+    `engine_url` reuses a running engine (one regime only). Prints each regime's table as it ends and
+    returns the goals."""
     modes = ["short", "long"] if mode == "both" else [mode]
     if engine_url is not None and len(modes) > 1:
         raise ValueError("--engine-url serves one regime: pass --mode short or --mode long")
@@ -461,7 +462,8 @@ async def fanout(profile_name: str | None, engine_url: str | None, log_dir: Path
         name = (long_profile if m == "long" else profile_name) or PROFILES[m]
         text, gs = await regime(m, name, engine_url, log_dir, load_kw if m == "short" else {
             k: v for k, v in load_kw.items() if k in ("subagents", "main_gap")})
+        print(text + "\n", flush=True)  # each regime as it ends: the long one takes minutes on a CPU
         texts.append(text)
         all_goals.extend(gs)
     verdict = "all goals met" if all(g.ok for g in all_goals) else "goals NOT met"
-    return "\n\n".join(texts) + f"\n\ngoals (issue 30): {verdict}\n" + format_goals(all_goals)
+    return f"goals (issue 30): {verdict}\n" + format_goals(all_goals)
