@@ -1,6 +1,8 @@
-"""The admission scheduler's invariants without an engine: geometry parsing, footprints, never
-over-admitting, priority order, fairness between sessions, backfill bound, cancellation, queue limits
-(429/503 + Retry-After) over HTTP, SSE keep-alives for queued streams."""
+"""The admission scheduler's invariants without an engine: geometry parsing, footprints, shared prompt
+blocks counted once (running and just-finished holders), the main agent's reserve sized from its demand,
+never over-admitting, priority order, fairness between sessions, backfill (gap, size, bound),
+cancellation, queue limits (429/503 + Retry-After) over HTTP, SSE keep-alives for queued streams, and the
+bench's long regime sized to overflow the pool."""
 
 from __future__ import annotations
 
