@@ -13,8 +13,9 @@ Policy:
   running requests that produced a token, and those of requests that just ended;
 - a request bigger than its class's share starts alone, when nothing else of ours runs;
 - backfill: while the head cannot fit, a *short* request behind it (small against the pool or against
-  the head) that fits the gap may start, but only during the first `backfill_bound_s` of the head's
-  wait, which bounds how long the head is passed over; after that the pool drains until the head fits;
+  the head) that fits the gap may start (background work only while no interactive request runs),
+  but only during the first `backfill_bound_s` of the head's wait, which bounds how long the head is
+  passed over; after that the pool drains until the head fits;
 - queue longer than `max_queue` -> 429, waited longer than the class's `max_wait_s` -> 503, both
   with Retry-After from the recent mean hold time; a caller cancelled while queued leaves at once.
 """
@@ -283,8 +284,11 @@ class Scheduler:
                 continue
             if now - head.enqueued > self.config.backfill_bound_s:
                 break
+            # Background work is not backfilled while the main agent generates: it would share the
+            # engine's steps with the turn a person is waiting on.
+            quiet = self._by_class[Priority.INTERACTIVE] == 0
             for w in order:
-                if self._short(w, head) and self.can_admit(w):
+                if (quiet or w.priority != Priority.BACKGROUND) and self._short(w, head) and self.can_admit(w):
                     self._grant(w, "backfill")
                     break
             else:
