@@ -29,12 +29,16 @@ class _Frozen(BaseModel):
 class SchedulerConfig(_Frozen):
     """Admission policy (proxy/scheduler). Engine facts (seats, speculative tokens) are `EngineGeometry`'s."""
 
-    reserve_fraction: float = Field(default=0.1, ge=0, lt=1)  # share of the pool only interactive requests use
-    reserve_seats: int = Field(default=1, ge=0)  # seats only interactive requests use (when seats > 1)
+    reserve_fraction: float = Field(default=0.1, ge=0, lt=1)  # pool share kept for interactive requests until
+    reserve_seats: int = Field(default=1, ge=0)  # ... (and seats) their own demand is observed (scheduler/reserve.py)
+    reserve_window_s: float = Field(default=300.0, gt=0)  # the interactive peak over this window sizes the reserve
+    reserve_max_fraction: float = Field(default=0.5, ge=0, lt=1)  # the observed reserve never exceeds this share
+    prefix_recent_s: float = Field(default=30.0, ge=0)  # a finished request's prompt blocks count as cached this long
     max_queue: int = Field(default=256, ge=0)  # waiting requests beyond this get 429
     max_wait_s: tuple[float, float, float] = (600.0, 1200.0, 1800.0)  # per class -> 503
     backfill_bound_s: float = Field(default=2.0, ge=0)  # longest the head may be passed over by backfill
     backfill_fraction: float = Field(default=0.05, ge=0, le=1)  # "short": worst case within this pool share
+    # (or at most half what the blocked head needs)
     refresh_s: float = Field(default=1.0, gt=0)  # engine /metrics poll period
     keepalive_after_s: float = Field(default=2.0, ge=0)  # a queued stream is answered 200 + SSE comments
     keepalive_every_s: float = Field(default=10.0, gt=0)

@@ -3,7 +3,7 @@ the proxy cost benches. They compose backend/ (launcher, profiles, runtime confi
 live under the composition root; the CLI imports each one only when its command runs.
 
     replay.py          `hyperharness replay`: traces through the proxy and straight at vLLM, cache reuse
-    bench_fanout.py    `hyperharness bench fanout`: subagents on a small pool, direct vs proxy
+    bench_fanout.py    `hyperharness bench fanout`: subagents on a small pool (short and long-context), direct vs proxy
     bench_costs.py     `python -m backend.tools.bench_costs`: the proxy's added latency and CPU
     bench_upstream.py  `python -m backend.tools.bench_upstream`: the upstream client's per-request cost
     bench_render.py    `python -m backend.tools.bench_render`: render / splice cost of a long session
@@ -26,16 +26,22 @@ def _bench() -> None:
 
 @bench_app.command("fanout")
 def fanout_command(
-    profile: str = typer.Option("cpu-fanout", "--profile", "-p", help="small-pool profile (configs/<name>.yaml)"),
+    profile: str = typer.Option(None, "--profile", "-p",
+                                help="short-regime profile (default cpu-fanout; configs/<name>.yaml)"),
+    mode: str = typer.Option("both", help="short | long | both: the regimes to run, each on its own engine"),
+    long_profile: str = typer.Option(None, help="long-regime profile (default cpu-fanout-long)"),
     engine_url: str = typer.Option(None, help="use a running engine of that profile instead of starting one"),
     subagents: int = typer.Option(8, help="subagent requests fired at once"),
-    sub_tokens: int = typer.Option(128, help="tokens each subagent generates (ignore_eos)"),
+    sub_tokens: int = typer.Option(128, help="tokens each subagent generates in the short regime (ignore_eos)"),
     main_gap: float = typer.Option(1.0, help="seconds between main-agent requests during the burst"),
     log_dir: Path = typer.Option(Path(".run/logs"), help="engine and proxy logs"),
 ) -> None:
-    """Eight subagents + a main agent on a small pool: directly at vLLM vs through the proxy."""
+    """Subagents + a main agent on a small pool, directly at vLLM vs through the proxy; the long regime
+    sizes subagents with a shared long parent context from the pool; prints issue 30's goals."""
     from .bench_fanout import fanout
 
+    if mode not in ("short", "long", "both"):
+        raise typer.BadParameter("--mode must be short, long or both")
     log_dir.mkdir(parents=True, exist_ok=True)
     kw = {"subagents": subagents, "sub_tokens": sub_tokens, "main_gap": main_gap}
-    print(asyncio.run(fanout(profile, engine_url, log_dir.resolve(), kw)))
+    print(asyncio.run(fanout(profile, engine_url, log_dir.resolve(), kw, mode, long_profile)))

@@ -1,17 +1,26 @@
 """`hyperharness bench fanout`: a subagent fan-out on a deliberately small KV pool, (a) directly at vLLM
-and (b) through the proxy's admission scheduler, in one run against one engine.
+and (b) through the proxy's admission scheduler, side by side against one engine per regime.
 
-Load, per mode: eight long-context subagent requests at once (a shared system prompt, a
-distinct task, `ignore_eos` so each generates exactly `--sub-tokens`), plus a main agent that keeps
-sending short requests one after another, `--main-gap` seconds apart, until the subagents are done.
-The pool (configs/cpu-fanout.yaml: 40 blocks x 32 tokens) holds about four subagents' worst case, so
-vLLM alone admits all eight prompts, runs out of blocks while decoding, and preempts.
+Two regimes (`--mode short|long|both`):
+- short (configs/cpu-fanout.yaml, 40 blocks x 32 tokens): eight subagents with ~150-token prompts (a
+  shared system prompt, a distinct task) and `--sub-tokens` out each; the pool holds about four worst
+  cases, so vLLM alone admits all eight prompts, runs out of blocks while decoding, and preempts; a
+  preemption costs little to recompute.
+- long (configs/cpu-fanout-long.yaml): subagents that share a long parent context (the main agent's
+  conversation, which it sent before spawning them) and carry a long task context of their own, sized
+  from the engine's pool (`vllm:cache_config_info`): the parent a quarter of the pool, the prompts
+  together 90% of it, the worst cases 130%; so vLLM admits every prompt and must preempt, and each
+  preemption re-prefills a long context.
+Both: `ignore_eos`, so each subagent generates exactly its `max_tokens`; a main agent keeps sending
+short turns one after another, `--main-gap` seconds apart, until the subagents are done (in the long
+regime they extend the parent context, as a main agent's next turn would).
 
-Printed per mode: upstream preemptions (delta of `vllm:num_preemptions_total`), makespan of the burst,
-p50/p95 subagent latency, main-agent time to first token during the burst vs idle (median and p95
-over the requests of each phase). Each mode gets its own nonce at the start of every prompt, so the
-two modes never share cached blocks. Goals (issue 4): 0 preemptions through the proxy, makespan no
-worse than direct, burst TTFT at most 2x idle.
+Printed per mode: upstream preemptions (delta of `vllm:num_preemptions_total`), tokens re-prefilled
+after preemption (see `recompute_bound`), makespan of the burst, p50/p95 subagent latency, main-agent
+time to first token idle (before the burst) vs during it. Each mode has its own nonce at the start of
+every prompt, so the two modes never share cached blocks. Then the goals (issue 30), pass/fail: 0
+preemptions through the proxy in both regimes; makespan no worse than direct in the short regime and
+at least 1.3x better in the long one; main-agent burst TTFT p95 at most 2x its idle p50.
 """
 
 from __future__ import annotations
@@ -23,15 +32,9 @@ import re
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-
-from backend import geometry
-from backend.launcher import ManagedProcess, engine_argv, engine_env, free_port, wait_healthy
-from backend.models import prepare_model
-from backend.profiles import load_profile
-from backend.runtime import proxy_argv, proxy_settings
 
 _PREEMPT = re.compile(r"^vllm:num_preemptions_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
 _WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
@@ -66,6 +69,7 @@ class ModeReport:
     results: list[Result] = field(default_factory=list)
     peak_waiting: int = 0
     peak_kv_usage: float = 0.0
+    recompute: int = 0  # upper bound on tokens re-prefilled after preemption (recompute_bound)
 
     def lat(self, kind: str) -> list[float]:
         return [r.latency for r in self.results if r.kind == kind and not r.error]
@@ -81,7 +85,8 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-async def _stream(client: Any, url: str, body: dict[str, Any], headers: dict[str, str], kind: str) -> Result:
+async def _stream(client: Any, url: str, body: dict[str, Any], headers: dict[str, str], kind: str,
+                  progress: tuple[list[int], int] | None = None) -> Result:
     """One streamed chat completion; TTFT = first content/reasoning delta (keep-alive comments don't count)."""
     res = Result(kind, time.perf_counter())
     try:
@@ -106,6 +111,8 @@ async def _stream(client: Any, url: str, body: dict[str, Any], headers: dict[str
                         if res.ttft is None:
                             res.ttft = time.perf_counter() - res.started
                         res.tokens += 1
+                        if progress is not None:
+                            progress[0][progress[1]] = res.tokens
     except Exception as exc:  # a broken run is reported, not raised: the other mode still runs
         res.error = f"{type(exc).__name__}: {exc}"
     res.latency = time.perf_counter() - res.started
@@ -132,27 +139,54 @@ class Load:
     main_tokens: int = 16
     main_gap: float = 1.0
     idle_mains: int = 5
+    parent_words: int = 0  # long regime: the parent context every subagent (and the main agent) starts with
+
+
+def _parent(load: Load, nonce: str) -> list[dict[str, str]]:
+    """The main agent's conversation so far, which its subagents inherit (long regime only)."""
+    return [{"role": "system", "content": f"[{nonce}] You are a coding agent. Repository notes follow."},
+            {"role": "user", "content": "Context:\n" + _text(7, load.parent_words)},
+            {"role": "assistant", "content": "Understood. I will split the work between subagents."}]
 
 
 def _sub_body(load: Load, nonce: str, i: int) -> dict[str, Any]:
-    system = f"[{nonce}] You are a subagent of a coding agent. Context follows. " + _text(1, load.system_words)
-    return {
-        "model": load.model, "stream": True, "max_tokens": load.sub_tokens, "temperature": 0,
-        "ignore_eos": True,
-        "messages": [{"role": "system", "content": system},
-                     {"role": "user", "content": f"Task {i}: " + _text(100 + i, load.sub_words)}],
-    }
+    task = {"role": "user", "content": f"Task {i}: " + _text(100 + i, load.sub_words)}
+    if load.parent_words:
+        messages = [*_parent(load, nonce), task]
+    else:
+        system = f"[{nonce}] You are a subagent of a coding agent. Context follows. " + _text(1, load.system_words)
+        messages = [{"role": "system", "content": system}, task]
+    return {"model": load.model, "stream": True, "max_tokens": load.sub_tokens, "temperature": 0,
+            "ignore_eos": True, "messages": messages}
 
 
 def _main_body(load: Load, nonce: str, i: int) -> dict[str, Any]:
-    return {
-        "model": load.model, "stream": True, "max_tokens": load.main_tokens, "temperature": 0,
-        "messages": [{"role": "system", "content": f"[{nonce}] You are the main agent."},
-                     {"role": "user", "content": f"Turn {i}: " + _text(1000 + i, load.main_words)}],
-    }
+    turn = {"role": "user", "content": f"Turn {i}: " + _text(1000 + i, load.main_words)}
+    if load.parent_words:  # the parent's own next turn: its context, then a short question
+        messages = [*_parent(load, nonce.removesuffix("-idle")), turn]
+    else:
+        messages = [{"role": "system", "content": f"[{nonce}] You are the main agent."}, turn]
+    return {"model": load.model, "stream": True, "max_tokens": load.main_tokens, "temperature": 0,
+            "messages": messages}
 
 
-async def run_mode(mode: str, url: str, engine: str, load: Load) -> ModeReport:
+def recompute_bound(preempted: list[int], prompt_tokens: int, shared_tokens: int, sub_tokens: int) -> int:
+    """Tokens vLLM re-prefills after its preemptions, bounded from above.
+
+    vLLM 0.32 exports no counter of it: `vllm:prefix_cache_queries/hits`, `vllm:prompt_tokens` and
+    `vllm:request_prefill_kv_computed_tokens` count a request's *first* prefill only (the scheduler sets
+    `prefill_stats` only while `num_preemptions <= 0`; `PrefixCacheStats.preempted_queries/hits` are kept
+    but not exported). So: a preempted request restarts from zero computed tokens and re-prefills its
+    prompt plus what it had generated, less what the prefix cache still holds. The shared parent stays
+    held by the other running subagents (a hit); the rest is at most the private prompt plus the tokens
+    generated at the moment of preemption (`preempted[i]`: the most a victim could have generated when
+    the i-th preemption was seen, the longest in-flight subagent at the poll that saw it)."""
+    private = max(0, prompt_tokens - shared_tokens)
+    return sum(private + min(g, sub_tokens) for g in preempted)
+
+
+async def run_mode(mode: str, url: str, engine: str, load: Load, *, prompt_tokens: int = 0,
+                   shared_tokens: int = 0) -> ModeReport:
     import httpx
 
     rep = ModeReport(mode)
@@ -166,12 +200,18 @@ async def run_mode(mode: str, url: str, engine: str, load: Load) -> ModeReport:
                                              {"x-session-id": f"{nonce}-main"}, "main-idle"))
         before = _gauge(await _engine_metrics(c, engine), "vllm:num_preemptions_total")
         done = asyncio.Event()
+        progress = [0] * load.subagents  # tokens streamed per subagent so far
+        victims: list[int] = []
 
         async def watch() -> None:
+            seen = before
             while not done.is_set():
                 text = await _engine_metrics(c, engine)
                 rep.peak_waiting = max(rep.peak_waiting, int(_gauge(text, "vllm:num_requests_waiting")))
                 rep.peak_kv_usage = max(rep.peak_kv_usage, _gauge(text, "vllm:kv_cache_usage_perc"))
+                now = _gauge(text, "vllm:num_preemptions_total")
+                victims.extend([max(progress)] * int(now - seen))
+                seen = now
                 await asyncio.sleep(0.25)
 
         async def mains() -> None:
@@ -190,13 +230,16 @@ async def run_mode(mode: str, url: str, engine: str, load: Load) -> ModeReport:
         watcher, trickle = asyncio.ensure_future(watch()), asyncio.ensure_future(mains())
         subs = await asyncio.gather(*(
             _stream(c, url, _sub_body(load, nonce, i),
-                    {"x-session-id": f"{nonce}-sub{i}", "x-parent-session-id": f"{nonce}-main"}, "sub")
+                    {"x-session-id": f"{nonce}-sub{i}", "x-parent-session-id": f"{nonce}-main"}, "sub",
+                    progress=(progress, i))
             for i in range(load.subagents)))
         rep.makespan = time.perf_counter() - start
         done.set()
         await asyncio.gather(watcher, trickle)
         rep.results.extend(subs)
         rep.preemptions = int(_gauge(await _engine_metrics(c, engine), "vllm:num_preemptions_total") - before)
+        victims.extend([load.sub_tokens] * max(0, rep.preemptions - len(victims)))  # seen after the last poll
+        rep.recompute = recompute_bound(victims[: rep.preemptions], prompt_tokens, shared_tokens, load.sub_tokens)
     return rep
 
 
@@ -204,7 +247,11 @@ def _ratio(r: ModeReport) -> float:
     return _pct(r.ttft("main-burst"), 0.5) / _pct(r.ttft("main-idle"), 0.5)
 
 
-def format_reports(reports: list[ModeReport], load: Load) -> str:
+def _burst_ratio(r: ModeReport) -> float:
+    return _pct(r.ttft("main-burst"), 0.95) / _pct(r.ttft("main-idle"), 0.5)
+
+
+def format_reports(reports: list[ModeReport], load: Load, title: str = "") -> str:
     def ms(x: float) -> str:
         return f"{x * 1000:,.0f} ms"
 
@@ -213,13 +260,14 @@ def format_reports(reports: list[ModeReport], load: Load) -> str:
 
     rows: list[tuple[str, Callable[[ModeReport], str]]] = [
         ("upstream preemptions", lambda r: str(r.preemptions)),
-        ("makespan (8 subagents)", lambda r: s(r.makespan)),
+        ("re-prefilled after preemption", lambda r: f"<= {r.recompute:,} tok"),
+        (f"makespan ({load.subagents} subagents)", lambda r: s(r.makespan)),
         ("subagent latency p50", lambda r: s(_pct(r.lat("sub"), 0.5))),
         ("subagent latency p95", lambda r: s(_pct(r.lat("sub"), 0.95))),
         ("main TTFT idle p50", lambda r: ms(_pct(r.ttft("main-idle"), 0.5))),
         ("main TTFT burst p50", lambda r: ms(_pct(r.ttft("main-burst"), 0.5))),
         ("main TTFT burst p95", lambda r: ms(_pct(r.ttft("main-burst"), 0.95))),
-        ("burst / idle TTFT (p50)", lambda r: f"{_ratio(r):.2f}x"),
+        ("burst p95 / idle p50 TTFT", lambda r: f"{_burst_ratio(r):.2f}x"),
         ("main requests in burst", lambda r: str(len(r.ttft("main-burst")))),
         ("peak engine waiting queue", lambda r: str(r.peak_waiting)),
         ("peak engine KV usage", lambda r: f"{r.peak_kv_usage:.0%}"),
@@ -227,8 +275,9 @@ def format_reports(reports: list[ModeReport], load: Load) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     head = f"{'':{width}}  " + "  ".join(f"{r.mode:>14}" for r in reports)
-    lines = [f"fan-out: {load.subagents} subagents x (~{load.system_words + load.sub_words} words prompt, "
-             f"{load.sub_tokens} tokens out), main agent {load.main_tokens} tokens every {load.main_gap:g}s", head]
+    lines = [title or (f"fan-out: {load.subagents} subagents x (~{load.system_words + load.sub_words} words prompt, "
+                       f"{load.sub_tokens} tokens out), main agent {load.main_tokens} tokens every {load.main_gap:g}s"),
+             head]
     for name, fn in rows:
         lines.append(f"{name:{width}}  " + "  ".join(f"{fn(r):>14}" for r in reports))
     for r in reports:
@@ -237,6 +286,55 @@ def format_reports(reports: list[ModeReport], load: Load) -> str:
                 lines.append(f"  {r.mode} {x.kind} error (status {x.status}): {x.error}")
                 break
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Goal:
+    name: str
+    measured: str
+    ok: bool
+
+
+def goals(regime: str, direct: ModeReport, proxy: ModeReport) -> list[Goal]:
+    """Issue 30's goals for one regime, from its direct and proxied runs."""
+    idle = _pct(proxy.ttft("main-idle"), 0.5)
+    burst = _pct(proxy.ttft("main-burst"), 0.95)
+    speedup = direct.makespan / proxy.makespan if proxy.makespan else float("nan")
+    out = [Goal(f"{regime}: 0 preemptions through the proxy", str(proxy.preemptions), proxy.preemptions == 0)]
+    if regime == "short":
+        out.append(Goal("short: proxy makespan <= direct", f"{proxy.makespan:.2f} s vs {direct.makespan:.2f} s",
+                        proxy.makespan <= direct.makespan))
+    else:
+        out.append(Goal(f"{regime}: proxy makespan >= 1.3x faster than direct", f"{speedup:.2f}x", speedup >= 1.3))
+    out.append(Goal(f"{regime}: main burst TTFT p95 <= 2x idle p50 (proxy)",
+                    f"{burst * 1000:,.0f} ms vs 2 x {idle * 1000:,.0f} ms", burst <= 2 * idle))
+    errors = sum(1 for r in (direct, proxy) for x in r.results if x.error)
+    out.append(Goal(f"{regime}: no request failed", str(errors), errors == 0))
+    return out
+
+
+def format_goals(gs: list[Goal]) -> str:
+    width = max(len(g.name) for g in gs)
+    return "\n".join(f"  {'PASS' if g.ok else 'FAIL'}  {g.name:{width}}  {g.measured}" for g in gs)
+
+
+def long_load(model: str, pool_tokens: int, max_model_len: int, tokens_per_word: float,
+              subagents: int = 8) -> tuple[Load, int, int]:
+    """The long regime sized from the pool: the parent a quarter of it, all prompts 90% of it, all worst
+    cases 130% of it (so vLLM admits every prompt and must preempt while they decode). Returns the
+    load, one subagent's prompt tokens and the parent's (shared) tokens, both approximate."""
+    parent = pool_tokens // 4
+    task = max(64, (pool_tokens * 9 // 10 - parent) // subagents)
+    out = max(32, pool_tokens * 4 // 10 // subagents)
+    room = max_model_len - parent - task - 64
+    out = max(16, min(out, room))
+
+    def words(tokens: int) -> int:
+        return max(1, int(tokens / tokens_per_word))
+
+    load = Load(model=model, subagents=subagents, sub_words=words(task), sub_tokens=out,
+                parent_words=words(parent), main_words=20, main_tokens=16)
+    return load, parent + task, parent
 
 
 async def _wait_health(url: str, timeout: float) -> None:
@@ -255,7 +353,38 @@ async def _wait_health(url: str, timeout: float) -> None:
             await asyncio.sleep(0.5)
 
 
-async def fanout(profile_name: str, engine_url: str | None, log_dir: Path, load_kw: dict[str, Any]) -> str:
+async def _tokens_per_word(engine: str, model: str) -> float:
+    import httpx
+
+    sample = _text(7, 400)
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await c.post(engine + "/tokenize", json={"model": model, "prompt": sample, "add_special_tokens": False})
+        r.raise_for_status()
+        return max(0.5, len(r.json()["tokens"]) / 400)
+
+
+async def _pool_tokens(engine: str) -> int:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=10) as c:
+        text = (await c.get(engine + "/metrics")).text
+    m = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text, re.M)
+    b = re.search(r'^vllm:cache_config_info\{[^}]*block_size="(\d+)"', text, re.M)
+    if m is None or b is None:
+        raise RuntimeError("the engine's /metrics has no vllm:cache_config_info: cannot size the long regime")
+    return int(m.group(1)) * int(b.group(1))
+
+
+async def regime(mode: str, profile_name: str, engine_url: str | None, log_dir: Path,
+                 load_kw: dict[str, Any]) -> tuple[str, list[Goal]]:
+    """One regime (short | long) against one engine of `profile_name`: direct, then through a proxy."""
+    # Imported here: the load and sizing helpers above are used by tests that start no engine.
+    from backend import geometry
+    from backend.launcher import ManagedProcess, engine_argv, engine_env, free_port, wait_healthy
+    from backend.models import prepare_model
+    from backend.profiles import load_profile
+    from backend.runtime import proxy_argv, proxy_settings
+
     profile = load_profile(profile_name)
     model_dir = prepare_model(profile.model.embedded) if profile.model.embedded else Path(str(profile.model.path))
     engine_proc = None
@@ -278,21 +407,63 @@ async def fanout(profile_name: str, engine_url: str | None, log_dir: Path, load_
         if engine_proc is not None:
             await wait_healthy(engine_url + "/health", engine_proc, 600)
         await _wait_health(proxy_url, 120)
-        load = Load(model=profile.model.served_name, **load_kw)
+        name = profile.model.served_name
+        prompt_tokens = shared_tokens = 0
+        if mode == "long":
+            load, prompt_tokens, shared_tokens = long_load(
+                name, await _pool_tokens(engine_url), profile.engine.max_model_len,
+                await _tokens_per_word(engine_url, name), subagents=load_kw.get("subagents", 8))
+            load = replace(load, main_gap=load_kw.get("main_gap", load.main_gap))
+            title = (f"long-context fan-out ({profile_name}): {load.subagents} subagents x (~{prompt_tokens:,} prompt "
+                     f"tokens, ~{shared_tokens:,} of them a shared parent; {load.sub_tokens} out), main agent "
+                     f"{load.main_tokens} tokens every {load.main_gap:g}s")
+        else:
+            load = Load(model=name, **load_kw)
+            words = load.system_words + load.sub_words
+            title = (f"short fan-out ({profile_name}): {load.subagents} subagents x (~{words}"
+                     f" words prompt, {load.sub_tokens} tokens out), main agent {load.main_tokens} tokens every "
+                     f"{load.main_gap:g}s")
         # Warm the engine's kernels once (not measured).
-        await run_mode("warmup", engine_url, engine_url, Load(load.model, subagents=2, sub_tokens=8, idle_mains=1,
+        await run_mode("warmup", engine_url, engine_url, Load(name, subagents=2, sub_tokens=8, idle_mains=1,
                                                               main_gap=60))
-        reports = [await run_mode("direct", engine_url, engine_url, load),
-                   await run_mode("proxy", proxy_url, engine_url, load)]
+        kw = {"prompt_tokens": prompt_tokens, "shared_tokens": shared_tokens}
+        direct = await run_mode("direct", engine_url, engine_url, load, **kw)
+        proxied = await run_mode("proxy", proxy_url, engine_url, load, **kw)
         import httpx
 
         async with httpx.AsyncClient() as c:
             sched = [ln for ln in (await c.get(proxy_url + "/metrics")).text.splitlines()
                      if ln.startswith(("hh_scheduler_admitted_total", "hh_scheduler_pool_blocks",
+                                       "hh_scheduler_reserve_blocks",
                                        "hh_scheduler_wait_seconds_sum",
                                        "hh_scheduler_wait_seconds_count"))]
-        return format_reports(reports, load) + "\nproxy scheduler: " + "; ".join(sched)
+        text = format_reports([direct, proxied], load, title) + "\nproxy scheduler: " + "; ".join(sched)
+        return text, goals(mode, direct, proxied)
     finally:
         proxy_proc.stop()
         if engine_proc is not None:
             engine_proc.stop()
+
+
+PROFILES = {"short": "cpu-fanout", "long": "cpu-fanout-long"}
+
+
+async def fanout(profile_name: str | None, engine_url: str | None, log_dir: Path, load_kw: dict[str, Any],
+                 mode: str = "both", long_profile: str | None = None) -> str:
+    """`mode` short | long | both (each regime on an engine of its own profile, one after the other);
+    `engine_url` reuses a running engine (one regime only). Prints each regime's table as it ends and
+    returns the goals."""
+    modes = ["short", "long"] if mode == "both" else [mode]
+    if engine_url is not None and len(modes) > 1:
+        raise ValueError("--engine-url serves one regime: pass --mode short or --mode long")
+    texts: list[str] = []
+    all_goals: list[Goal] = []
+    for m in modes:
+        name = (long_profile if m == "long" else profile_name) or PROFILES[m]
+        text, gs = await regime(m, name, engine_url, log_dir, load_kw if m == "short" else {
+            k: v for k, v in load_kw.items() if k in ("subagents", "main_gap")})
+        print(text + "\n", flush=True)  # each regime as it ends: the long one takes minutes on a CPU
+        texts.append(text)
+        all_goals.extend(gs)
+    verdict = "all goals met" if all(g.ok for g in all_goals) else "goals NOT met"
+    return f"goals (issue 30): {verdict}\n" + format_goals(all_goals)

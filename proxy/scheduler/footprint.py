@@ -1,47 +1,49 @@
-"""A request's worst case in engine blocks, and the prompt prefixes running requests hold in common.
+"""A request's worst case in engine blocks, and the prompt prefixes the engine holds in common.
 
 Worst case: prompt + capped `max_tokens` (+ speculative lookahead) rounded up to blocks in every
 attention group, plus the seat's GDN state pages on hybrid models. That is what vLLM may come to hold
 for the request before it ends; admitting only while the sum fits is what keeps it from preempting.
 
-Shared prefixes: vLLM allocates a block once for every running request whose prompt starts with the
-same full blocks, but only once the first holder has *computed* them (two prompts scheduled in the
-same step both miss and both allocate). So a prefix is counted once only after its holder has produced
-a token (`PrefixIndex.materialize`), and a request admitted before that holds its own copy. Blocks of a
-finished request that sit in vLLM's prefix cache are free-and-evictable in vLLM's accounting: a later
-hit on them consumes free blocks exactly like a miss, so they earn no discount here.
+Shared prefixes, block by block, the way vLLM's prefix cache finds them: a chain of hashes over the
+prompt's full blocks (the block that holds the last prompt token is never a hit: vLLM always computes
+it). vLLM allocates a block once for every running request whose prompt starts with the same full
+blocks, but only once some holder has *computed* them:
+- a running request's prompt blocks count once after it produced a token (`PrefixIndex.materialize`);
+  two prompts scheduled in the same step both miss and both allocate, so one admitted before that
+  holds its own copy;
+- blocks of a request that finished moments ago still sit in vLLM's cache (free but hashed, evicted
+  only when the free queue reaches them): a request that starts with them hits at once, so they are
+  counted once from its admission (`RecentPrefixes`), and later requests share them too. vLLM appends
+  freed blocks to the tail of its free queue and takes new ones from the head, so they outlive at least
+  as many allocations as the pool had free when they were freed; the proxy trusts them only until it
+  has admitted that many blocks since (and for at most `ttl_s`, for traffic it does not see). They earn no
+  discount for the first request that re-uses them (a hit on a free block takes it out of the free
+  pool exactly like a miss); the saving is that its followers do not pay for them again.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
+import time
 from array import array
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 
 from proxy.admission import Footprint
 
 from .pool import PoolGeometry
 
-# Prefix hashes are taken per granule of at least this many tokens (a multiple of the block): a 100K
-# prompt then costs ~400 hashes, and rounding down to a granule only over-counts (the safe side).
-MIN_GRANULE_TOKENS = 256
 
-
-def granule_tokens(geom: PoolGeometry) -> int:
-    return geom.block_size * math.ceil(MIN_GRANULE_TOKENS / geom.block_size)
-
-
-def prefix_hashes(prompt: Sequence[int], granule: int) -> list[bytes]:
-    """Chained hashes of the prompt's full granules that vLLM could serve from cache. vLLM always
-    computes the last prompt token, so a granule that reaches it is not shareable."""
-    if not prompt:
+def prefix_hashes(prompt: Sequence[int], block: int) -> list[bytes]:
+    """Chained hashes of the prompt's full blocks that vLLM could serve from cache (all but the one
+    holding the last token). ~6K blake2b calls for a 100K prompt in 16-token blocks: a few ms."""
+    if not prompt or block <= 0:
         return []
     raw = (prompt if isinstance(prompt, array) and prompt.typecode == "I" else array("I", prompt)).tobytes()
-    step = granule * 4
+    step = block * 4
     out: list[bytes] = []
     prev = b""
-    for i in range((len(prompt) - 1) // granule):
+    for i in range((len(prompt) - 1) // block):
         prev = hashlib.blake2b(prev + raw[i * step : (i + 1) * step], digest_size=12).digest()
         out.append(prev)
     return out
@@ -53,9 +55,9 @@ def worst_case_blocks(foot: Footprint, geom: PoolGeometry) -> int:
 
 
 class PrefixIndex:
-    """Granules of prompt prefix held by running requests, each counted once, refcounted.
+    """Prompt blocks held by running requests, each counted once, refcounted.
 
-    Owns only the shared-granule table; tickets own their private block counts.
+    Owns only the shared-block table; tickets own their private block counts.
     """
 
     def __init__(self) -> None:
@@ -64,8 +66,11 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._refs)
 
+    def __contains__(self, h: bytes) -> bool:
+        return h in self._refs
+
     def shared_prefix(self, hashes: Sequence[bytes]) -> int:
-        """How many leading granules of `hashes` are already materialized by a running request."""
+        """How many leading blocks of `hashes` are already materialized by a running request."""
         n = 0
         for h in hashes:
             if h not in self._refs:
@@ -78,14 +83,14 @@ class PrefixIndex:
             self._refs[h] += 1
 
     def materialize(self, hashes: Sequence[bytes]) -> list[bytes]:
-        """Enter a holder's granules; returns those that are new (now counted here, not privately)."""
+        """Enter a holder's blocks; returns those that are new (now counted here, not privately)."""
         new = [h for h in hashes if h not in self._refs]
         for h in new:
             self._refs[h] = 1
         return new
 
     def release(self, hashes: Sequence[bytes]) -> int:
-        """Drop one reference each; returns how many granules fell to zero (their blocks are free)."""
+        """Drop one reference each; returns how many blocks fell to zero (their blocks are free)."""
         freed = 0
         for h in hashes:
             left = self._refs[h] - 1
@@ -95,3 +100,40 @@ class PrefixIndex:
                 del self._refs[h]
                 freed += 1
         return freed
+
+
+class RecentPrefixes:
+    """Computed prompt blocks of requests that ended, as vLLM's cache still holds them: at most
+    `capacity` blocks (the pool), for at most `ttl_s` (after that other traffic may have evicted them)."""
+
+    def __init__(self, capacity: int, ttl_s: float) -> None:
+        self.capacity = capacity
+        self.ttl_s = ttl_s
+        self._seen: OrderedDict[bytes, tuple[float, int]] = OrderedDict()  # -> (freed at, evicted after)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def add(self, hashes: Iterable[bytes], evicted_after: int, now: float | None = None) -> None:
+        """Blocks just freed; they stay cached until the admitted-blocks count passes `evicted_after`."""
+        now = time.monotonic() if now is None else now
+        for h in hashes:
+            self._seen[h] = (now, evicted_after)
+            self._seen.move_to_end(h)
+        while len(self._seen) > max(0, self.capacity):
+            self._seen.popitem(last=False)
+
+    def cached_prefix(self, hashes: Sequence[bytes], start: int, held: PrefixIndex, admitted: int,
+                      now: float | None = None) -> int:
+        """How many blocks from `start` on are a hit: held by a running request or recently freed (while
+        `admitted`, the blocks admitted so far, has not reached their eviction mark)."""
+        now = time.monotonic() if now is None else now
+        n = start
+        while n < len(hashes):
+            h = hashes[n]
+            if h not in held:
+                seen = self._seen.get(h)
+                if seen is None or now - seen[0] > self.ttl_s or admitted >= seen[1]:
+                    break
+            n += 1
+        return n

@@ -22,6 +22,9 @@ class SchedulerMetrics:
                                      "Worst-case engine blocks held by admitted requests", registry=r)
         self.shared_blocks = Gauge(f"{ns}_shared_prefix_blocks",
                                    "Of those, prompt-prefix blocks counted once for several requests", registry=r)
+        self.reserve_blocks = Gauge(f"{ns}_reserve_blocks", "Pool blocks kept for interactive requests (observed"
+                                    " peak demand, or the configured prior)", registry=r)
+        self.reserve_seats = Gauge(f"{ns}_reserve_seats", "Seats kept for interactive requests", registry=r)
         self.pool_blocks = Gauge(f"{ns}_pool_blocks", "Engine KV pool size in blocks (vllm:cache_config_info)",
                                  registry=r)
         self.block_size = Gauge(f"{ns}_block_size_tokens", "Tokens per engine block", registry=r)

@@ -25,7 +25,7 @@ class Waiter:
     session: str
     priority: Priority
     blocks: int  # worst case, with no shared prefix
-    hashes: Sequence[bytes]  # shareable prompt granules
+    hashes: Sequence[bytes]  # shareable prompt blocks
     enqueued: float
     future: asyncio.Future[Any] = field(repr=False)
     seq: int = 0

@@ -6,12 +6,16 @@ waiting room (`AdmissionQueue`); `PoolReader`-style refresh keeps the engine's g
 Check before change: `can_admit(w)` then `_admit(w)`; everything that frees capacity calls `_pump()`.
 
 Policy:
-- classes in strict order (interactive > subagent > background); a reserve of the pool and of the
-  seats is kept for interactive requests, so the main agent starts promptly during a subagent burst;
+- classes in strict order (interactive > subagent > background); room in the pool and seats is kept
+  for interactive requests, sized from their observed peak (reserve.py), as headroom beyond what they
+  hold now, so the main agent starts promptly during a subagent burst without idling a fixed share;
+- footprints count the prompt blocks the engine will find cached once (footprint.py): those of
+  running requests that produced a token, and those of requests that just ended;
 - a request bigger than its class's share starts alone, when nothing else of ours runs;
-- backfill: while the head cannot fit, a *short* request behind it that fits may start, but only
-  during the first `backfill_bound_s` of the head's wait, which bounds how long the head is passed
-  over; after that the pool drains until the head fits;
+- backfill: while the head cannot fit, a *short* request behind it (small against the pool or against
+  the head) that fits the gap may start (background work only while no interactive request runs),
+  but only during the first `backfill_bound_s` of the head's wait, which bounds how long the head is
+  passed over; after that the pool drains until the head fits;
 - queue longer than `max_queue` -> 429, waited longer than the class's `max_wait_s` -> 503, both
   with Retry-After from the recent mean hold time; a caller cancelled while queued leaves at once.
 """
@@ -31,10 +35,11 @@ from proxy.admission import Footprint, OpenTicket, Priority, Ticket
 from proxy.settings import EngineGeometry, SchedulerConfig
 
 from .errors import QueueFull, QueueTimeout
-from .footprint import PrefixIndex, granule_tokens, prefix_hashes, worst_case_blocks
+from .footprint import PrefixIndex, RecentPrefixes, prefix_hashes, worst_case_blocks
 from .metrics import SchedulerMetrics
 from .pool import LiveGauges, PoolGeometry, read_metrics
 from .queue import AdmissionQueue, Waiter
+from .reserve import DemandReserve
 
 log = logging.getLogger("proxy.scheduler")
 
@@ -47,12 +52,13 @@ class SeatTicket:
     session: str
     priority: Priority
     private_blocks: int
-    hashes: tuple[bytes, ...]  # all shareable prompt granules
-    shared: list[bytes]  # granules counted in the shared index on this ticket's behalf
+    hashes: tuple[bytes, ...]  # all shareable prompt blocks
+    shared: list[bytes]  # blocks counted in the shared index on this ticket's behalf
     admitted_at: float
     released: bool = False
     materialized: bool = False
     backfilled: bool = field(default=False)
+    added: int = 0  # blocks this ticket added to the admitted total when it started (its demand)
 
     def prefilled(self) -> None:
         """The engine produced a token: this prompt's blocks are computed and can be shared."""
@@ -79,6 +85,12 @@ class Scheduler:
         self._private = 0  # blocks held by admitted requests outside the shared index
         self._running: dict[str, int] = {}  # session -> admitted requests
         self._by_class = [0 for _ in Priority]
+        self._interactive_blocks = 0  # what running interactive requests added (their held demand)
+        self._admitted_total = 0  # blocks admitted since start: the clock of vLLM's free-queue evictions
+        cfg = self.config
+        self.reserve = DemandReserve(cfg.reserve_fraction, cfg.reserve_seats, cfg.reserve_window_s,
+                                     cfg.reserve_max_fraction)
+        self._recent = RecentPrefixes(geometry.num_blocks if geometry else 0, cfg.prefix_recent_s)
         self._mean_hold_s = 10.0
         self._refresher: asyncio.Task[None] | None = None
         self._last_read_error = ""
@@ -109,6 +121,7 @@ class Scheduler:
             log.info("scheduler: pool %d blocks x %d tokens, %d state blocks per seat, seats %s",
                      geom.num_blocks, geom.block_size, geom.state_blocks_per_seat, self.engine.seats or "?")
             self.geometry = geom
+            self._recent.capacity = geom.num_blocks
             self._publish_geometry()
             self._pump()
 
@@ -147,45 +160,58 @@ class Scheduler:
 
     @property
     def used_blocks(self) -> int:
-        return self._private + len(self._prefix) * self._granule_blocks()
+        return self._private + len(self._prefix) * self._block_cost()
 
-    def _granule_blocks(self) -> int:
+    def _block_cost(self) -> int:
+        """Pool blocks one shared prompt block stands for (one per attention group)."""
         g = self.geometry
-        return 0 if g is None else granule_tokens(g) // g.block_size * g.attn_groups
+        return 0 if g is None else g.attn_groups
+
+    def _cached(self, w: Waiter) -> tuple[int, int]:
+        """(leading prompt blocks the engine will find cached, how many of those running requests
+        already hold and are counted)."""
+        hit = self._recent.cached_prefix(w.hashes, self._prefix.shared_prefix(w.hashes), self._prefix,
+                                         self._admitted_total)
+        return hit, sum(1 for h in w.hashes[:hit] if h in self._prefix)
 
     def need(self, w: Waiter) -> int:
-        """Blocks `w` would add now: its worst case less the prefix granules already counted."""
-        return w.blocks - self._prefix.shared_prefix(w.hashes) * self._granule_blocks()
-
-    def _limits(self, p: Priority) -> tuple[int | None, int | None]:
-        """(seats, blocks) a request of class `p` may fill up to."""
-        cfg, g = self.config, self.geometry
-        interactive = p == Priority.INTERACTIVE
-        seats = self.engine.seats
-        if seats is not None and not interactive and seats > 1:
-            seats -= min(cfg.reserve_seats, seats - 1)
-        blocks = None
-        if g is not None:
-            blocks = g.num_blocks if interactive else g.num_blocks - math.ceil(cfg.reserve_fraction * g.num_blocks)
-        return seats, blocks
+        """Blocks `w` would add now: its worst case less the prompt blocks already counted."""
+        return w.blocks - self._cached(w)[1] * self._block_cost()
 
     def can_admit(self, w: Waiter) -> bool:
         if self.running == 0:
             return True  # alone it runs even when bigger than its class's share
-        seats, blocks = self._limits(w.priority)
-        if seats is not None and self.running >= seats:
+        g, seats = self.geometry, self.engine.seats
+        room_blocks = room_seats = 0
+        if w.priority != Priority.INTERACTIVE:  # keep the main agent's headroom beyond what it holds now
+            r = self.reserve.current(g.num_blocks if g is not None else 0, seats)
+            room_blocks = max(0, r.blocks - self._interactive_blocks)
+            room_seats = max(0, r.seats - self._by_class[Priority.INTERACTIVE])
+        if seats is not None and self.running + 1 + room_seats > seats:
             return False
-        return blocks is None or self.used_blocks + self.need(w) <= blocks
+        return g is None or self.used_blocks + self.need(w) + room_blocks <= g.num_blocks
 
     def _admit(self, w: Waiter, how: str) -> SeatTicket:
-        need = self.need(w) if self.geometry is not None else 0  # private: worst case less shared prefix
-        shared = list(w.hashes[: self._prefix.shared_prefix(w.hashes)])
-        self._prefix.acquire(shared)
-        ticket = SeatTicket(self, w.session, w.priority, need, tuple(w.hashes), shared, time.monotonic(),
-                            backfilled=how == "backfill")
-        self._private += need
+        hit, held = self._cached(w) if self.geometry is not None else (0, 0)
+        cost = self._block_cost()
+        need = w.blocks - held * cost if self.geometry is not None else 0
+        shared = list(w.hashes[:hit])
+        for h in shared:  # held ones gain a reference; recently freed ones are counted once from now on
+            if h in self._prefix:
+                self._prefix.acquire((h,))
+            else:
+                self._prefix.materialize((h,))
+        private = need - (hit - held) * cost
+        ticket = SeatTicket(self, w.session, w.priority, private, tuple(w.hashes), shared, time.monotonic(),
+                            backfilled=how == "backfill", added=need)
+        self._private += private
+        self._admitted_total += need
         self._running[w.session] = self._running.get(w.session, 0) + 1
         self._by_class[w.priority] += 1
+        if w.priority == Priority.INTERACTIVE:
+            # Demand: the blocks beyond the prompt prefix the engine caches (reserve.py).
+            self._interactive_blocks += need
+            self.reserve.observe(private, self._by_class[Priority.INTERACTIVE])
         m = self.metrics
         m.admitted.labels(w.priority.label, how).inc()
         m.wait.labels(w.priority.label).observe(time.monotonic() - w.enqueued)
@@ -199,8 +225,8 @@ class Scheduler:
         new = self._prefix.materialize(t.hashes[len(t.shared):])
         if not new:
             return
-        # Those granules move from this ticket's private count to the shared index (same blocks).
-        moved = len(new) * self._granule_blocks()
+        # Those blocks move from this ticket's private count to the shared index (same blocks).
+        moved = len(new) * self._block_cost()
         t.private_blocks -= moved
         self._private -= moved
         t.shared.extend(new)
@@ -208,8 +234,13 @@ class Scheduler:
         self._pump()  # requests sharing this prefix may fit now
 
     def _release(self, t: SeatTicket) -> None:
+        # Its computed blocks stay cached behind the blocks already free (at least pool - admitted worst cases).
+        free = self.geometry.num_blocks - self.used_blocks if self.geometry is not None else 0
         self._private -= t.private_blocks
         self._prefix.release(t.shared)
+        self._recent.add(t.hashes if t.materialized else t.shared, self._admitted_total + max(0, free))
+        if t.priority == Priority.INTERACTIVE:
+            self._interactive_blocks -= t.added
         left = self._running.get(t.session, 0) - 1
         if left > 0:
             self._running[t.session] = left
@@ -224,17 +255,23 @@ class Scheduler:
     def _publish_counts(self) -> None:
         m = self.metrics
         m.admitted_blocks.set(self.used_blocks)
-        m.shared_blocks.set(len(self._prefix) * self._granule_blocks())
+        m.shared_blocks.set(len(self._prefix) * self._block_cost())
+        g = self.geometry
+        r = self.reserve.current(g.num_blocks if g is not None else 0, self.engine.seats)
+        m.reserve_blocks.set(r.blocks)
+        m.reserve_seats.set(r.seats)
         for p in Priority:
             m.running.labels(p.label).set(self._by_class[p])
             m.queue_depth.labels(p.label).set(self.queue.depth(p))
 
     # -- queue ----------------------------------------------------------------------------------
 
-    def _short(self, w: Waiter) -> bool:
+    def _short(self, w: Waiter, head: Waiter) -> bool:
+        """Small enough to pass a blocked head: small against the pool, or at most half the head."""
         g = self.geometry
         return g is None or w.blocks <= max(g.state_blocks_per_seat + 2 * g.attn_groups,
-                                            self.config.backfill_fraction * g.num_blocks)
+                                            self.config.backfill_fraction * g.num_blocks,
+                                            self.need(head) // 2)
 
     def _pump(self) -> None:
         """Admit waiters in service order while they fit; backfill short ones behind a blocked head."""
@@ -247,8 +284,11 @@ class Scheduler:
                 continue
             if now - head.enqueued > self.config.backfill_bound_s:
                 break
+            # Background work is not backfilled while the main agent generates: it would share the
+            # engine's steps with the turn a person is waiting on.
+            quiet = self._by_class[Priority.INTERACTIVE] == 0
             for w in order:
-                if self._short(w) and self.can_admit(w):
+                if (quiet or w.priority != Priority.BACKGROUND) and self._short(w, head) and self.can_admit(w):
                     self._grant(w, "backfill")
                     break
             else:
@@ -272,7 +312,7 @@ class Scheduler:
         g = self.geometry
         hashes: list[bytes] = []
         if g is not None and g.shares_prefixes:
-            hashes = prefix_hashes(footprint.prompt, granule_tokens(g))
+            hashes = prefix_hashes(footprint.prompt, g.block_size)
         blocks = worst_case_blocks(footprint, g) if g is not None else 0
         w = Waiter(footprint.session, p, blocks, hashes, time.monotonic(), asyncio.get_running_loop().create_future())
         self.queue.push(w)

@@ -1,6 +1,8 @@
-"""The admission scheduler's invariants without an engine: geometry parsing, footprints, never
-over-admitting, priority order, fairness between sessions, backfill bound, cancellation, queue limits
-(429/503 + Retry-After) over HTTP, SSE keep-alives for queued streams."""
+"""The admission scheduler's invariants without an engine: geometry parsing, footprints, shared prompt
+blocks counted once (running and just-finished holders), the main agent's reserve sized from its demand,
+never over-admitting, priority order, fairness between sessions, backfill (gap, size, bound),
+cancellation, queue limits (429/503 + Retry-After) over HTTP, SSE keep-alives for queued streams, and the
+bench's long regime sized to overflow the pool."""
 
 from __future__ import annotations
 
@@ -147,6 +149,66 @@ async def test_reserve_keeps_room_for_the_main_agent() -> None:
     (await third).release()
 
 
+async def test_reserve_is_sized_from_the_main_agents_observed_demand() -> None:
+    s = sched(blocks=100, block=10, reserve_fraction=0.3, reserve_seats=1)
+    assert s.reserve.current(100, None).blocks == 30  # nothing seen yet: the configured prior
+    main = await s.acquire(foot("main", 50, priority="interactive"))  # the main agent's turns: 5 blocks
+    main.release()
+    assert s.reserve.current(100, None).blocks == 5
+    subs = [await s.acquire(foot(f"sub{i}", 100)) for i in range(9)]  # 9 x 10 blocks + 5 kept (prior: 7)
+    tenth = asyncio.ensure_future(s.acquire(foot("sub9", 100)))
+    await settle()
+    assert not tenth.done()
+    main = await asyncio.wait_for(s.acquire(foot("main", 50, priority="interactive")), 1)  # starts at once
+    assert s.used_blocks == 95
+    main.release()
+    for t in subs:
+        t.release()
+    (await tenth).release()
+
+
+async def test_reserve_follows_the_usual_turn_not_a_rare_large_one() -> None:
+    s = sched(blocks=200, block=10)
+    for tokens in (900, 50, 50, 50, 50):  # a conversation's first turn (nothing cached), then short turns
+        (await s.acquire(foot("main", tokens, priority="interactive"))).release()
+    assert s.reserve.current(200, None).blocks == 5
+    for _ in range(15):  # a main agent that keeps sending large turns gets room for them
+        (await s.acquire(foot("main", 900, priority="interactive"))).release()
+    assert s.reserve.current(200, None).blocks == 90
+    assert s.reserve.current(100, None).blocks == 50  # never more than reserve_max_fraction
+
+
+async def test_reserve_is_headroom_beyond_what_the_main_agent_holds() -> None:
+    s = sched(blocks=100, block=10, reserve_window_s=0.2)
+    main = await s.acquire(foot("main", 100, priority="interactive"))  # observed: 10 blocks, 1 seat
+    subs = [await s.acquire(foot(f"sub{i}", 300)) for i in range(3)]  # 10 + 90: the reserve is in use
+    assert s.used_blocks == 100
+    main.release()
+    nxt = asyncio.ensure_future(s.acquire(foot("sub3", 10)))
+    await settle()
+    assert not nxt.done()  # 90 + 1 + the 10 kept for the main agent > 100
+    await asyncio.sleep(0.25)  # no main-agent turn for the whole window: back to the prior (0 here)
+    subs[0].release()
+    (await asyncio.wait_for(nxt, 1)).release()
+    for t in subs[1:]:
+        t.release()
+
+
+async def test_backfill_takes_requests_that_fit_the_gap_and_are_small_against_the_head() -> None:
+    s = sched(blocks=100, block=10, backfill_bound_s=5, backfill_fraction=0.1)
+    running = await s.acquire(foot("r", 600))  # 60 of 100: a gap of 40
+    head = asyncio.ensure_future(s.acquire(foot("head", 600)))  # needs 60: cannot use the gap
+    await settle()
+    medium = asyncio.ensure_future(s.acquire(foot("medium", 350)))  # fits the gap, but over half the head
+    small = asyncio.ensure_future(s.acquire(foot("small", 250)))  # fits, and at most half the head: backfills
+    await settle()
+    assert small.done() and not medium.done() and not head.done()
+    running.release()
+    (await small).release()
+    (await head).release()
+    (await medium).release()
+
+
 async def test_priority_order() -> None:
     s = sched(blocks=10, block=10)
     blocker = await s.acquire(foot("x", 100))  # fills the pool
@@ -218,20 +280,60 @@ async def test_oversized_request_runs_alone() -> None:
 
 async def test_shared_prefix_counted_once_after_prefill() -> None:
     s = sched(blocks=100, block=16)
-    prompt = list(range(600))  # 2 shareable granules of 256 tokens = 32 blocks
+    prompt = list(range(600))  # 37 full blocks before the last token: shareable, block by block
     a = await s.acquire(foot("a", 600, 100, prompt=prompt))
     b = await s.acquire(foot("b", 600, 100, prompt=prompt))  # before a's prefill: its own copy
     assert s.used_blocks == 88
     b.release()
     assert isinstance(a, SeatTicket)
     a.prefilled()
-    assert s.used_blocks == 44 and a.private_blocks == 12
+    assert s.used_blocks == 44 and a.private_blocks == 44 - 37
     c = await s.acquire(foot("c", 600, 100, prompt=prompt))
-    assert s.used_blocks == 44 + 12
+    assert s.used_blocks == 44 + 7
+    d = await s.acquire(foot("d", 600, 100, prompt=prompt[:300] + [7] * 300))  # shares 18 blocks, then diverges
+    assert s.used_blocks == 51 + 44 - 18
+    d.release()
     a.release()  # the holder ends first: c still holds the shared blocks
     assert s.used_blocks == 44
     c.release()
     assert s.used_blocks == 0
+
+
+async def test_recently_finished_prefix_is_counted_once_from_admission() -> None:
+    """A parent's prefix that vLLM still caches (its request just ended) is a hit for the first subagent
+    at once, so the subagents started together share it instead of each holding a copy."""
+    s = sched(blocks=400, block=16)
+    parent = list(range(1600))  # 99 shareable blocks
+    main = await s.acquire(foot("main", 1600, 10, "interactive", prompt=parent))
+    assert isinstance(main, SeatTicket)
+    main.prefilled()
+    main.release()
+    subs = [await s.acquire(foot(f"sub{i}", 1700, 50, prompt=parent + [i] * 100)) for i in range(3)]
+    # the first pays the prefix (cached blocks leave the free pool when hit), the others only their tails
+    assert s.used_blocks == 110 + 2 * (110 - 99)
+    assert all(isinstance(t, SeatTicket) and t.shared == subs[0].shared for t in subs)  # type: ignore[union-attr]
+    for t in subs:
+        t.release()
+    assert s.used_blocks == 0
+    # vLLM evicts freed blocks once as many blocks as were free before them are allocated: past that mark
+    # (at most 290 free ahead of them when the subagents ended; 3 x 100 admitted since), each pays its own again.
+    for _ in range(3):
+        (await s.acquire(foot("other", 1600))).release()
+    late = [await asyncio.wait_for(s.acquire(foot(f"late{i}", 1700, 50, prompt=parent + [i] * 100)), 1)
+            for i in range(2)]
+    assert s.used_blocks == 2 * 110
+    for t in late:
+        t.release()
+    stale = Scheduler(SchedulerConfig(reserve_fraction=0, reserve_seats=0, prefix_recent_s=0),
+                      geometry=PoolGeometry(num_blocks=400, block_size=16))  # the main agent keeps 101
+    m = await stale.acquire(foot("main", 1600, 10, "interactive", prompt=parent))
+    m.prefilled()
+    m.release()
+    await asyncio.sleep(0.01)  # past the window: the engine may have evicted them, so each pays its own
+    subs = [await stale.acquire(foot(f"sub{i}", 1700, 50, prompt=parent + [i] * 100)) for i in range(2)]
+    assert stale.used_blocks == 2 * 110
+    for t in subs:
+        t.release()
 
 
 async def test_cancel_leaves_the_queue_and_frees_a_granted_seat() -> None:
@@ -411,3 +513,31 @@ async def test_anthropic_stream_queued_gets_keepalives_and_leaves_on_disconnect(
             assert len(s.queue) == 0 and s.running == 1
             assert (await running).status_code == 200
     assert s.running == 0 and len(fake.requests) == 1  # the queued request never reached the engine
+
+
+async def test_long_regime_is_sized_so_direct_admission_must_preempt() -> None:
+    """The bench's long regime on cpu-fanout-long's pool: every prompt fits the pool at once (vLLM admits
+    them all), their worst cases do not (so it preempts while they decode); the scheduler, counting the
+    parent once, starts several side by side but not all."""
+    from backend.tools.bench_fanout import long_load, recompute_bound
+
+    pool_blocks, block = 160, 32
+    load, prompt, parent = long_load("m", pool_blocks * block, 4096, tokens_per_word=1.0)
+    assert parent + load.subagents * (prompt - parent) <= pool_blocks * block
+    assert parent + load.subagents * (prompt - parent + load.sub_tokens) > 1.25 * pool_blocks * block
+    assert prompt + load.sub_tokens <= 4096
+    s = sched(blocks=pool_blocks, block=block)
+    shared = list(range(parent))
+    first = await s.acquire(foot("sub0", prompt, load.sub_tokens, prompt=shared + [0] * (prompt - parent)))
+    assert isinstance(first, SeatTicket)
+    first.prefilled()  # the parent is computed: the others count only their own tails
+    rest = [asyncio.ensure_future(s.acquire(foot(f"sub{i}", prompt, load.sub_tokens,
+                                                 prompt=shared + [i] * (prompt - parent))))
+            for i in range(1, load.subagents)]
+    await settle()
+    started = 1 + sum(t.done() for t in rest)
+    assert 3 <= started < load.subagents and s.used_blocks <= pool_blocks
+    first.release()
+    for t in rest:
+        (await t).release()
+    assert recompute_bound([10, 500], prompt, parent, load.sub_tokens) == 2 * (prompt - parent) + 10 + load.sub_tokens
