@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from prometheus_client import CollectorRegistry
 
 from proxy.admission import Admission
 from proxy.auth import BearerAuth
@@ -21,6 +22,7 @@ from proxy.format import ChatFormat, load_format
 from proxy.http import error_response, json_response
 from proxy.relay import relay
 from proxy.routes import turn_router
+from proxy.routing import Engine, Router, make_state
 from proxy.scheduler import Scheduler, open_scheduler
 from proxy.services import Services
 from proxy.settings import Settings
@@ -64,21 +66,45 @@ def create_app(
             services.store = make_store(settings.redis_url, max_sessions=settings.max_sessions,
                                         ttl_s=settings.session_ttl_s, per_session=settings.snapshots_per_session,
                                         path=str(settings.store_file) if settings.store_file else None)
-        scheduler: Scheduler | None = None
+        schedulers: list[Scheduler] = []
+        engines: list[Engine] = []
         if chat_format is not None and services.upstream is not None and services.store is not None:
-            if admission is None:  # default: admit by the engine's KV pool geometry (proxy/scheduler)
-                scheduler = open_scheduler(services.upstream.get_text, metrics.registry, settings.scheduler,
-                                           up.geometry)
-                await scheduler.start()
+            # One engine per upstream, each with its own connection pool and its own admission by its
+            # own pool geometry; the first keeps the app's upstream (and an injected admission).
+            for i, cfg in enumerate(settings.upstreams):
+                upstream_i = services.upstream if i == 0 else Upstream.open(
+                    cfg.url, timeout_s=settings.upstream_timeout_s, api_key=cfg.api_key,
+                    keepalive_s=settings.upstream_keepalive_s)
+                engine = Engine(cfg, upstream_i)
+                if i == 0 and admission is not None:
+                    engine.admission = admission
+                else:  # default: admit by the engine's KV pool geometry (proxy/scheduler)
+                    # the first engine's scheduler series go to /metrics; the others' would clash by name
+                    registry = metrics.registry if i == 0 else CollectorRegistry()
+                    engine.scheduler = open_scheduler(upstream_i.get_text, registry, settings.scheduler,
+                                                      cfg.geometry)
+                    engine.admission = engine.scheduler
+                    schedulers.append(engine.scheduler)
+                    await engine.scheduler.start()
+                engines.append(engine)
+            services.router = Router(engines, config=settings.routing, registry=metrics.registry,
+                                     state=make_state(settings.redis_url if len(engines) > 1 else None,
+                                                      ttl_s=settings.routing.state_ttl_s))
+            await services.router.start()
             services.turns = TurnService(fmt=chat_format, upstream=services.upstream, store=services.store,
-                                         metrics=metrics, admission=admission or scheduler, warmup=settings.warmup)
+                                         metrics=metrics, admission=engines[0].admission, warmup=settings.warmup,
+                                         router=services.router)
         try:
             yield
         finally:
             if services.turns is not None:
                 await services.turns.close()
-            if scheduler is not None:
+            if services.router is not None:
+                await services.router.close()
+            for scheduler in schedulers:
                 await scheduler.close()
+            for engine in engines[1:]:
+                await engine.upstream.close()
             if owns_store and services.store is not None:
                 await services.store.close()
             if owns_upstream and services.upstream is not None:
@@ -99,6 +125,11 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         # Healthy only when the engine is: the launcher waits on this before printing the URL.
+        router = services.router
+        if router is not None and len(router.engines) > 1:  # several: healthy while one serves
+            states = {e.name: e.health.value for e in router.engines}
+            status = 200 if any(e.live for e in router.engines) else 503
+            return json_response({"status": "ok" if status == 200 else "unavailable", "engines": states}, status)
         try:
             await services.up().get_text("/health")
         except ProxyError as exc:

@@ -9,6 +9,7 @@ from proxy.errors import ProxyError
 from proxy.ingress import Ingress
 from proxy.metrics import Metrics
 from proxy.quirks import QuirkLog
+from proxy.routing import Router
 from proxy.settings import Settings
 from proxy.store import SessionStore
 from proxy.turn import TurnService
@@ -24,6 +25,7 @@ class Services:
     upstream: Upstream | None = None
     store: SessionStore | None = None
     turns: TurnService | None = None  # None without a chat format: chat passes through to vLLM
+    router: Router | None = None  # the engines (one per upstream) and the placement of turns on them
 
     @classmethod
     def build(cls, settings: Settings) -> Services:

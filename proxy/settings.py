@@ -18,7 +18,7 @@ import ipaddress
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -92,6 +92,8 @@ class RoutingConfig(_Frozen):
     move_after_wait_s: float = Field(default=30.0, gt=0)
     prefix_block_tokens: int = Field(default=64, ge=1)  # granularity of the recorded sent-prefix hashes
     state_ttl_s: float = Field(default=6 * 3600, gt=0)  # placement records (refreshed on use)
+    # ours; the others are the baselines `hyperharness bench route` compares it with
+    policy: Literal["affinity", "round_robin", "session_hash", "least_loaded"] = "affinity"
 
 
 class Settings(_Frozen):
