@@ -34,6 +34,11 @@ class Services:
         return cls(settings, metrics, quirk_log, Ingress(quirk_log, default_thinking=settings.default_thinking))
 
     def up(self) -> Upstream:
+        """The engine for what is not a turn (model info, pass-through): the first live one."""
+        if self.router is not None and len(self.router.engines) > 1:
+            live = [e for e in self.router.engines if e.live]
+            if live:
+                return live[0].upstream
         if self.upstream is None:
             raise ProxyError("proxy is starting")
         return self.upstream

