@@ -105,7 +105,8 @@ class _RecordingPolicy:
 
     async def place(self, req: TurnRequest, prompt: Sequence[int]) -> Placement:
         fleet, key = self.fleet, req.session.key
-        hashes = block_hashes(prompt, fleet.config.prefix_block_tokens)
+        # One engine: no move can happen, so no overlap is ever needed (no hashing on the hot path).
+        hashes = block_hashes(prompt, fleet.config.prefix_block_tokens) if len(fleet.engines) > 1 else b""
         prior = await fleet.state.get(key)
         engine, reason = await self.choose(req, prior)
         record = PlacementRecord(engine.name, len(prompt), hashes)

@@ -6,8 +6,9 @@ check to find out. Log line per placement (logger `proxy.routing`; other tools g
 
     placement session=<short hash> parent=<short hash|-> engine=<name> reason=<reason> reprefill=<n>
 
-Session ids never appear raw in the log or in metric labels: `short_id` hashes them (a parent is hashed
-as the session key it sent, `h:<id>`, so it matches its own placement lines).
+With one engine the same rules run (the log and metrics read the same), minus the prefix hashing that
+only a move would need. Session ids never appear raw in the log or in metric labels: `short_id` hashes
+them (a parent is hashed as the session key it sent, `h:<id>`, so it matches its own placement lines).
 """
 
 from __future__ import annotations
@@ -64,9 +65,6 @@ class Router:
             self.metrics.engine_up.labels(e.name).set(1 if e.live else 0)
 
     async def place(self, req: TurnRequest, prompt: Sequence[int]) -> Placement:
-        if len(self.engines) == 1:  # nothing to decide: no state, no hashing on the hot path
-            self.metrics.placements.labels(self.engines[0].name, "only").inc()
-            return Placement(self.engines[0], "only")
         # An engine that just broke a turn is checked now, not at the next period.
         for e in self.engines:
             if e.failures and e.live:

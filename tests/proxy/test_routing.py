@@ -248,3 +248,14 @@ async def test_app_names_the_engine_and_fails_over() -> None:
         assert f'hh_session_moves_total{{from_engine="{home}",to_engine="{to}"}} 1.0' in text
         assert 'hh_placements_total{engine="' in text and "sess-1" not in text
     await servers[1 - i].close()
+
+
+async def test_one_engine_still_places_and_logs(caplog: pytest.LogCaptureFixture) -> None:
+    engines = await fleet(n=1)
+    router = Router(engines, state=MemoryState(ttl_s=60), config=CFG)
+    caplog.set_level(logging.INFO, "proxy.routing")
+    reasons = [(await router.place(turn(s, parent=p), list(range(300)))).reason
+               for s, p in (("main", None), ("main", None), ("kid", "main"))]
+    assert reasons == ["hash", "sticky", "parent"]
+    assert [r.getMessage().split()[4] for r in caplog.records] == ["reason=hash", "reason=sticky", "reason=parent"]
+    await close(engines)
