@@ -51,6 +51,8 @@ def route_command(
     reply_tokens: int = typer.Option(32, help="tokens per reply"),
     system_words: int = typer.Option(300, help="shared system prompt length in words"),
     policies: str = typer.Option("affinity,round_robin,session_hash,least_loaded", help="comma-separated"),
+    kv_gib: int = typer.Option(None, help="CPU profiles: each engine's KV pool in GiB (default: the profile's)"),
+    max_model_len: int = typer.Option(None, help="each engine's window (default: the profile's)"),
     log_dir: Path = typer.Option(Path(".run/logs"), help="engine and proxy logs"),
 ) -> None:
     """K sessions x M turns with subagent fan-out over two engines: our placement vs the baselines."""
@@ -59,4 +61,5 @@ def route_command(
     log_dir.mkdir(parents=True, exist_ok=True)
     kw = {"sessions": sessions, "turns": turns, "fanout": fanout, "reply_tokens": reply_tokens,
           "system_words": system_words}
-    print(bench_route(profile, log_dir.resolve(), kw, tuple(p.strip() for p in policies.split(",") if p.strip())))
+    chosen = tuple(p.strip() for p in policies.split(",") if p.strip())
+    print(bench_route(profile, log_dir.resolve(), kw, chosen, kv_gib=kv_gib, max_model_len=max_model_len))

@@ -252,9 +252,9 @@ def format_reports(reports: list[PolicyReport], single: PolicyReport, trace: Tra
     return "\n".join(lines)
 
 
-def bench_route(profile_name: str, log_dir: Path, trace_kw: dict[str, Any], policies: tuple[str, ...] = POLICIES
-                ) -> str:
-    engines = start_engines(profile_name, 2, log_dir)
+def bench_route(profile_name: str, log_dir: Path, trace_kw: dict[str, Any], policies: tuple[str, ...] = POLICIES,
+                *, kv_gib: int | None = None, max_model_len: int | None = None) -> str:
+    engines = start_engines(profile_name, 2, log_dir, kv_gib=kv_gib, max_model_len=max_model_len)
     try:
         trace = Trace(model=engines.profile.model.served_name, **trace_kw)
         runs: list[tuple[str, list[str]]] = [("one engine", engines.urls[:1])]
