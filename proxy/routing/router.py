@@ -24,9 +24,9 @@ from proxy.ingress import TurnRequest
 from proxy.settings import RoutingConfig
 
 from .engine import Engine, Health
-from .policy import Fleet, Placement, PlacementPolicy, make_policy
+from .policy import Fleet, Placement, PlacementPolicy, make_policy, rendezvous
 from .prefix import block_hashes
-from .state import PlacementRecord, RoutingState
+from .state import PlacementRecord, RoutingState, StateUnavailable
 
 log = logging.getLogger("proxy.routing")
 
@@ -69,7 +69,11 @@ class Router:
         for e in self.engines:
             if e.failures and e.live:
                 await self._confirm(e)
-        p = await self.policy.place(req, prompt)
+        try:
+            p = await self.policy.place(req, prompt)
+        except StateUnavailable as exc:  # Redis down: place by the session's hash alone until it is back
+            log.warning("%s; placing by session hash", exc)
+            p = Placement(rendezvous(req.session.key, self.fleet.live())[0], "hash")
         m = self.metrics
         m.placements.labels(p.engine.name, p.reason).inc()
         if p.moved_from is not None:
@@ -85,7 +89,10 @@ class Router:
         if len(self.engines) == 1:
             return
         hashes = block_hashes(ids, self.config.prefix_block_tokens, placement.hashes)
-        await self.state.put(session, PlacementRecord(placement.engine.name, len(ids), hashes))
+        try:
+            await self.state.put(session, PlacementRecord(placement.engine.name, len(ids), hashes))
+        except StateUnavailable as exc:  # the turn itself succeeded; only the record is lost
+            log.warning("%s; placement of a finished turn not recorded", exc)
 
     def failed(self, engine: Engine) -> None:
         """A turn's engine broke off (connection lost, 5xx): count a failed check; the next placement

@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -21,6 +21,10 @@ from .engine import EngineLoad
 
 _PLACE = "hh:p:"
 _LOAD = "hh:l:"
+
+
+class StateUnavailable(RuntimeError):
+    """The shared state cannot be reached (Redis down): the router places without it meanwhile."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,12 +123,12 @@ class RedisState:
         return cls(aioredis.from_url(url, decode_responses=False), ttl_s=ttl_s, stale_s=stale_s)
 
     async def get(self, session: str) -> PlacementRecord | None:
-        data = await self.client.getex(_PLACE + session, px=self.ttl_ms)
+        data = await self._call(self.client.getex(_PLACE + session, px=self.ttl_ms))
         return None if data is None else PlacementRecord.from_bytes(data)
 
     async def claim(self, session: str, record: PlacementRecord) -> PlacementRecord:
         key = _PLACE + session
-        if await self.client.set(key, record.to_bytes(), nx=True, px=self.ttl_ms):
+        if await self._call(self.client.set(key, record.to_bytes(), nx=True, px=self.ttl_ms)):
             return record
         held = await self.get(session)
         if held is None:  # expired in between: ours now
@@ -133,7 +137,16 @@ class RedisState:
         return held
 
     async def put(self, session: str, record: PlacementRecord) -> None:
-        await self.client.set(_PLACE + session, record.to_bytes(), px=self.ttl_ms)
+        await self._call(self.client.set(_PLACE + session, record.to_bytes(), px=self.ttl_ms))
+
+    @staticmethod
+    async def _call(pending: Awaitable[Any]) -> Any:
+        from redis.exceptions import RedisError
+
+        try:
+            return await pending
+        except (RedisError, OSError) as exc:
+            raise StateUnavailable(f"routing state unavailable: {exc}") from exc
 
     async def publish_load(self, loads: dict[str, EngineLoad]) -> None:
         now = time.time()
@@ -148,7 +161,7 @@ class RedisState:
         async with self.client.pipeline(transaction=False) as pipe:
             for engine in names:
                 pipe.hgetall(_LOAD + engine)
-            published = await pipe.execute()
+            published = await self._call(pipe.execute())
         now = time.time()
         out = {}
         for engine, entries in zip(names, published, strict=True):

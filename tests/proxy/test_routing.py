@@ -27,7 +27,7 @@ from proxy.scheduler import PoolGeometry, Scheduler
 from proxy.settings import EngineGeometry, RoutingConfig, SchedulerConfig, Settings, UpstreamConfig
 from proxy.upstream import Upstream
 from tests.proxy.fake_format import ToyFormat
-from tests.proxy.fake_vllm import FakeVLLM, serve_app
+from tests.proxy.fake_vllm import FakeVLLM, free_port, serve_app
 
 pytestmark = [pytest.mark.unit, pytest.mark.asyncio(loop_scope="session")]
 
@@ -258,4 +258,15 @@ async def test_one_engine_still_places_and_logs(caplog: pytest.LogCaptureFixture
                for s, p in (("main", None), ("main", None), ("kid", "main"))]
     assert reasons == ["hash", "sticky", "parent"]
     assert [r.getMessage().split()[4] for r in caplog.records] == ["reason=hash", "reason=sticky", "reason=parent"]
+    await close(engines)
+
+
+async def test_redis_down_places_by_hash_instead_of_failing() -> None:
+    engines = await fleet()
+    state = RedisState.from_url(f"redis://127.0.0.1:{free_port()}/0", ttl_s=30)  # nothing listens there
+    router = Router(engines, state=state, config=CFG)
+    p = await router.place(turn("lost"), list(range(40)))
+    assert p.reason == "hash" and p.engine is rendezvous(turn("lost").session.key, engines)[0]
+    await router.sent(turn("lost").session.key, p, list(range(50)))  # a finished turn is not failed for it
+    await state.close()
     await close(engines)
