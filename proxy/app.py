@@ -24,7 +24,9 @@ from proxy.http import error_response, json_response
 from proxy.openapi import openapi_document
 from proxy.relay import relay
 from proxy.routes import turn_router
+from proxy.routing import Engine, Router, make_state
 from proxy.scheduler import Scheduler, open_scheduler
+from proxy.scheduler.metrics import SchedulerMetrics
 from proxy.services import Services
 from proxy.settings import Settings
 from proxy.store import SessionStore, make_store
@@ -68,25 +70,51 @@ def create_app(
                                         ttl_s=settings.session_ttl_s, per_session=settings.snapshots_per_session,
                                         path=str(settings.store_file) if settings.store_file else None,
                                         outage=settings.redis_outage, timeout_s=settings.redis_timeout_s)
-        scheduler: Scheduler | None = None
-        source = services.view().engine(up.name, up.url)  # the operator view keeps the engine's /metrics reads
-        source.get_text = services.upstream.get_text if services.upstream is not None else None
-        if chat_format is not None and services.upstream is not None and services.store is not None:
-            if admission is None:  # default: admit by the engine's KV pool geometry (proxy/scheduler)
-                scheduler = open_scheduler(source.tap(services.upstream.get_text), metrics.registry,
-                                           settings.scheduler, up.geometry)
-                source.scheduler = scheduler
-                await scheduler.start()
+        schedulers: list[Scheduler] = []
+        engines: list[Engine] = []
+        scheduler_metrics = SchedulerMetrics(metrics.registry)  # one set of families, an engine label each
+        # One engine per upstream, each with its own connection pool and its own admission by its own pool
+        # geometry; the first keeps the app's upstream (and an injected admission). The operator view keeps
+        # each engine's /metrics reads (the scheduler's reads go through the view's tap).
+        for i, cfg in enumerate(settings.upstreams):
+            upstream_i = services.upstream if i == 0 else Upstream.open(
+                cfg.url, timeout_s=settings.upstream_timeout_s, api_key=cfg.api_key,
+                keepalive_s=settings.upstream_keepalive_s)
+            source = services.view().engine(cfg.name, cfg.url)
+            source.get_text = upstream_i.get_text if upstream_i is not None else None
+            if chat_format is None or upstream_i is None or services.store is None:
+                continue
+            engine = Engine(cfg, upstream_i)
+            if i == 0 and admission is not None:
+                engine.admission = admission
+            else:  # default: admit by the engine's KV pool geometry (proxy/scheduler)
+                engine.scheduler = open_scheduler(source.tap(upstream_i.get_text), scheduler_metrics,
+                                                  settings.scheduler, cfg.geometry, name=cfg.name)
+                source.scheduler = engine.scheduler
+                engine.admission = engine.scheduler
+                schedulers.append(engine.scheduler)
+                await engine.scheduler.start()
+            engines.append(engine)
+        if engines and chat_format is not None and services.upstream is not None and services.store is not None:
+            services.router = Router(engines, config=settings.routing, registry=metrics.registry,
+                                     state=make_state(settings.redis_url if len(engines) > 1 else None,
+                                                      ttl_s=settings.routing.state_ttl_s))
+            await services.router.start()
             services.turns = TurnService(fmt=chat_format, upstream=services.upstream, store=services.store,
-                                         metrics=metrics, admission=admission or scheduler, warmup=settings.warmup)
+                                         metrics=metrics, admission=engines[0].admission, warmup=settings.warmup,
+                                         router=services.router)
             services.turns.observer = services.observer
         try:
             yield
         finally:
             if services.turns is not None:
                 await services.turns.close()
-            if scheduler is not None:
+            if services.router is not None:
+                await services.router.close()
+            for scheduler in schedulers:
                 await scheduler.close()
+            for engine in engines[1:]:
+                await engine.upstream.close()
             if owns_store and services.store is not None:
                 await services.store.close()
             if owns_upstream and services.upstream is not None:
@@ -107,6 +135,11 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         # Healthy only when the engine is: the launcher waits on this before printing the URL.
+        router = services.router
+        if router is not None and len(router.engines) > 1:  # several: healthy while one serves
+            states = {e.name: e.health.value for e in router.engines}
+            status = 200 if any(e.live for e in router.engines) else 503
+            return json_response({"status": "ok" if status == 200 else "unavailable", "engines": states}, status)
         try:
             await services.up().get_text("/health")
         except ProxyError as exc:

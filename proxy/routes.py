@@ -25,6 +25,8 @@ from proxy.wire.openai import OpenAIWire
 
 # What /version reports: the engine line we are compatible with (vLLM 0.32.0, patches/vllm.pin).
 ENGINE_VERSION = "0.32.0"
+# Every turn's response names the engine that serves it, so a user can see where a session lives.
+ENGINE_HEADER = "x-hyperharness-engine"
 
 
 async def serve_turn(services: Services, request: Request, turn_request: TurnRequest, wire: Wire) -> Response:
@@ -32,15 +34,18 @@ async def serve_turn(services: Services, request: Request, turn_request: TurnReq
     collect the turn through the wire's writer."""
     turns = services.require_turns()
     cfg = services.settings.scheduler
-    held = await hold(turns.open(turn_request), stream=turn_request.chat.stream,
+    prepared = await turns.prepare(turn_request)  # planned and placed: the engine is known from here
+    placement = prepared[1]
+    headers = {ENGINE_HEADER: placement.engine.name} if placement is not None else {}
+    held = await hold(turns.open(turn_request, prepared), stream=turn_request.chat.stream,
                       is_disconnected=request.is_disconnected, after_s=cfg.keepalive_after_s,
                       every_s=cfg.keepalive_every_s)
     if isinstance(held, Queued):  # still waiting for engine capacity: SSE comments until admitted
         body = held.body(wire.stream, wire.error_event)
-        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(body, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     if turn_request.chat.stream:
-        return StreamingResponse(wire.stream(held), media_type="text/event-stream", headers=SSE_HEADERS)
-    return json_response(await wire.complete(held))
+        return StreamingResponse(wire.stream(held), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    return json_response(await wire.complete(held), headers=headers)
 
 
 def turn_router(services: Services) -> APIRouter:

@@ -10,6 +10,7 @@ from proxy.ingress import Ingress
 from proxy.metrics import Metrics
 from proxy.observe import Observer
 from proxy.quirks import QuirkLog
+from proxy.routing import Router
 from proxy.settings import Settings
 from proxy.store import SessionStore
 from proxy.turn import TurnService
@@ -26,6 +27,7 @@ class Services:
     store: SessionStore | None = None
     turns: TurnService | None = None  # None without a chat format: chat passes through to vLLM
     observer: Observer | None = None  # the operator view: sessions, engines (proxy/observe.py)
+    router: Router | None = None  # the engines (one per upstream) and the placement of turns on them
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
@@ -37,6 +39,11 @@ class Services:
                    observer=Observer(metrics))
 
     def up(self) -> Upstream:
+        """The engine for what is not a turn (model info, pass-through): the first live one."""
+        if self.router is not None and len(self.router.engines) > 1:
+            live = [e for e in self.router.engines if e.live]
+            if live:
+                return live[0].upstream
         if self.upstream is None:
             raise ProxyError("proxy is starting")
         return self.upstream

@@ -2,11 +2,12 @@
 by `python -m proxy --config FILE`. Nothing reaches the proxy through the environment.
 
     Settings                 bind address, model, keys, store, timeouts
-    ├── upstreams            the engines behind it (one today), each with
+    ├── upstreams            the engines behind it (one or more, unique names, weights), each with
     │   └── EngineGeometry   what backend/geometry.py computed for it: seats, speculative tokens, KV groups,
     │                        recurrent-state pages per seat (the scheduler counts these; the engine's
     │                        /metrics only tells the pool's size)
-    └── scheduler            admission policy knobs (SchedulerConfig)
+    ├── scheduler            admission policy knobs (SchedulerConfig), one scheduler per engine
+    └── routing              placement over several engines (RoutingConfig)
 
 Secrets never sit in the file: it names key files (mode 0600), which `Settings.load` reads.
 """
@@ -85,6 +86,7 @@ class UpstreamConfig(_Frozen):
     api_key_file: Path | None = None  # the engine's own key (vLLM --api-key); sent upstream, never to clients
     api_key: str | None = Field(default=None, repr=False, exclude=True)
     geometry: EngineGeometry = EngineGeometry()
+    weight: float = Field(default=1.0, gt=0)  # share of new sessions relative to the others (bigger card: more)
 
     @field_validator("url")
     @classmethod
@@ -92,6 +94,22 @@ class UpstreamConfig(_Frozen):
         if not value.startswith(("http://", "https://")):
             raise ValueError(f"upstream must be an http(s) URL, got {value!r}")
         return value.rstrip("/")
+
+
+class RoutingConfig(_Frozen):
+    """Placement over several engines (proxy/routing). Unused with one engine."""
+
+    health_period_s: float = Field(default=2.0, gt=0)  # each engine's /health is read this often
+    health_timeout_s: float = Field(default=1.0, gt=0)
+    failures_to_drain: int = Field(default=2, ge=1)  # consecutive failed checks before an engine is drained
+    load_factor: float = Field(default=1.25, ge=1)  # bounded-load hashing: spill above this x the average
+    # A session leaves a live engine only when that engine's admission queue has made a request wait
+    # longer than this (seconds) and another engine has room: re-prefilling costs less than waiting.
+    move_after_wait_s: float = Field(default=30.0, gt=0)
+    prefix_block_tokens: int = Field(default=64, ge=1)  # granularity of the recorded sent-prefix hashes
+    state_ttl_s: float = Field(default=6 * 3600, gt=0)  # placement records (refreshed on use)
+    # ours; the others are the baselines `hyperharness bench route` compares it with
+    policy: Literal["affinity", "round_robin", "session_hash", "least_loaded"] = "affinity"
 
 
 class Settings(_Frozen):
@@ -131,6 +149,7 @@ class Settings(_Frozen):
     keep_alive_s: int = Field(default=75, ge=1)
     log_level: str = "info"
     scheduler: SchedulerConfig = SchedulerConfig()
+    routing: RoutingConfig = RoutingConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -143,14 +162,15 @@ class Settings(_Frozen):
         return data
 
     @model_validator(mode="after")
-    def _one_engine(self) -> Settings:
-        if len(self.upstreams) != 1:
-            raise ValueError(f"this proxy serves one engine; the config names {len(self.upstreams)} upstreams")
+    def _unique_names(self) -> Settings:
+        names = [u.name for u in self.upstreams]
+        if len(set(names)) != len(names):
+            raise ValueError(f"upstream names must be unique, got {names}")
         return self
 
     @property
     def upstream(self) -> UpstreamConfig:
-        """The engine (serving over several engines is the scale-out work; one is configured today)."""
+        """The first engine (what single-engine code paths use; placement picks among all of them)."""
         return self.upstreams[0]
 
     @property

@@ -28,6 +28,7 @@ from proxy.metrics import Metrics
 from proxy.observe import Observer
 from proxy.plan import Plan, Planner
 from proxy.reply import DeltaEvent, FinalEvent, TurnEvent, Usage, assistant_message, finish_reason, tool_call_id
+from proxy.routing import Placement, Router
 from proxy.store import SessionStore
 from proxy.transcripts import Snapshot, message_key
 from proxy.upstream import Event, EventStream, Upstream
@@ -39,13 +40,14 @@ class TurnService:
     observer: Observer | None = None  # the operator view (proxy/observe.py), set by the app
 
     def __init__(self, *, fmt: ChatFormat, upstream: Upstream, store: SessionStore, metrics: Metrics,
-                 admission: Admission | None = None, warmup: bool = False) -> None:
+                 admission: Admission | None = None, warmup: bool = False, router: Router | None = None) -> None:
         self.fmt = fmt
         self.upstream = upstream
         self.store = store
         self.metrics = metrics
         self.admission: Admission = admission or NoAdmission()
         self.warmup = warmup
+        self.router = router  # several engines: which one serves a turn (its upstream, its admission)
         self.planner = Planner(fmt, upstream, store, metrics)
         self._background: set[asyncio.Task[None]] = set()
 
@@ -55,21 +57,35 @@ class TurnService:
         self.metrics.render_seconds.observe(time.perf_counter() - started)
         return plan
 
-    async def open(self, req: TurnRequest) -> Turn:
+    async def prepare(self, req: TurnRequest) -> tuple[Plan, Placement | None]:
+        """Plan the turn and place it on an engine (once per turn; the route names the engine in its
+        response headers before the turn may wait for admission)."""
         plan = await self.plan(req)
+        placement = await self.router.place(req, plan.prompt) if self.router is not None else None
+        return plan, placement
+
+    async def open(self, req: TurnRequest, prepared: tuple[Plan, Placement | None] | None = None) -> Turn:
+        plan, placement = prepared or await self.prepare(req)
+        upstream = placement.engine.upstream if placement is not None else self.upstream
+        admission = placement.engine.admission if placement is not None else self.admission
         foot = Footprint(session=req.session.key, prompt_tokens=len(plan.prompt), max_tokens=plan.max_tokens,
                          reused_tokens=len(plan.parent.ids) if plan.parent else 0, priority=req.priority,
                          prompt=plan.prompt)
-        ticket = await self.admission.acquire(foot)
+        ticket = await admission.acquire(foot)
         try:
-            stream = await self.upstream.open_events("/v1/completions", await self._payload(plan))
-        except BaseException:
+            stream = await upstream.open_events("/v1/completions", await self._payload(plan, upstream))
+        except BaseException as exc:
             ticket.release()
+            self.engine_failed(placement, exc)
             raise
-        return Turn(self, plan, stream, ticket)
+        return Turn(self, plan, stream, ticket, placement)
 
-    async def _payload(self, plan: Plan) -> bytes:
-        info = await self.upstream.model()
+    def engine_failed(self, placement: Placement | None, exc: BaseException) -> None:
+        if self.router is not None and placement is not None and isinstance(exc, UpstreamError):
+            self.router.failed(placement.engine)
+
+    async def _payload(self, plan: Plan, upstream: Upstream) -> bytes:
+        info = await upstream.model()
         body: dict[str, Any] = {
             **plan.request.chat.sampling,
             "model": info.upstream_id,
@@ -98,7 +114,8 @@ class TurnService:
             return JsonToolCallParser(parser, chat.tool_choice, tool_call_id)
         return parser
 
-    async def remember(self, plan: Plan, generated: list[int], finish: str, reply: dict[str, Any]) -> None:
+    async def remember(self, plan: Plan, generated: list[int], finish: str, reply: dict[str, Any],
+                       placement: Placement | None = None) -> None:
         ids = array("I", plan.prompt)
         ids.extend(generated)
         snap = Snapshot(ids=ids, prompt_len=len(plan.prompt), msg_keys=plan.msg_keys, msg_ends=plan.msg_ends,
@@ -106,23 +123,25 @@ class TurnService:
                         parent_id=plan.parent.snapshot_id if plan.parent else None)
         self.planner.ids_text.put(snap.snapshot_id, plan.prompt_text, generated, snap.parent_id)
         await self.store.save(plan.request.session.key, snap)
+        if self.router is not None and placement is not None:
+            await self.router.sent(plan.request.session.key, placement, ids)
         warmup = self.warmup if plan.request.warmup is None else plan.request.warmup
         if warmup:
-            self._spawn(self._warm(snap))
+            self._spawn(self._warm(snap, placement.engine.upstream if placement is not None else self.upstream))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _warm(self, snap: Snapshot) -> None:
+    async def _warm(self, snap: Snapshot, upstream: Upstream) -> None:
         """Prefill prompt+output while the harness runs its tools, so the next turn's prefix (and, on
         hybrid models, a recurrent-state checkpoint near its end) is cached before it arrives."""
-        info = await self.upstream.model()
+        info = await upstream.model()
         text = self.planner.ids_text.get(snap.snapshot_id) or self.planner.ids_text.encode(snap.ids)
         body = json.dumps({"model": info.upstream_id, "max_tokens": 1, "temperature": 0}, separators=(",", ":"))
         try:
-            await self.upstream.post_raw("/v1/completions", (body[:-1] + ',"prompt":[' + text + "]}").encode())
+            await upstream.post_raw("/v1/completions", (body[:-1] + ',"prompt":[' + text + "]}").encode())
             self.metrics.warmups.labels("ok").inc()
         except ProxyError as exc:
             self.metrics.warmups.labels("failed").inc()
@@ -176,8 +195,10 @@ class Turn:
     """One response in flight. Iterate `events()` (or await `collect()`) once; `close()` is idempotent and
     runs when the events end, fail or are abandoned (the upstream stream is dropped, the seat freed)."""
 
-    def __init__(self, service: TurnService, plan: Plan, stream: EventStream, ticket: Ticket) -> None:
+    def __init__(self, service: TurnService, plan: Plan, stream: EventStream, ticket: Ticket,
+                 placement: Placement | None = None) -> None:
         self.service = service
+        self.placement = placement  # the engine serving it (None: the single upstream)
         self.plan = plan
         self.request = plan.request
         self.stream = stream
@@ -223,6 +244,7 @@ class Turn:
             svc.metrics.requests.labels(route, "200").inc()
         except ProxyError as exc:
             log.warning("%s turn failed: %s", route, exc.message)
+            svc.engine_failed(self.placement, exc)
             svc.metrics.requests.labels(route, str(exc.status)).inc()
             raise
         finally:
@@ -285,7 +307,7 @@ class Turn:
         # A named tool_choice ends with "stop" (OpenAI's and vLLM's rule), required/auto with "tool_calls".
         called = bool(reply.get("tool_calls")) and self.request.chat.tool_choice.mode != "named"
         finish = finish_reason(self.upstream_finish, called)
-        await self.service.remember(self.plan, self.generated, finish, reply)
+        await self.service.remember(self.plan, self.generated, finish, reply, self.placement)
         tail = gate.flush(parsed)
         for index, sent, final in gate.mismatches:
             self.service.metrics.argument_mismatches.inc()
@@ -294,7 +316,8 @@ class Turn:
         event = FinalEvent(finish=finish, reply=reply, parsed=parsed, tail=tail, generated=self.generated,
                            usage=self._usage(), logprobs=rest)
         if self.service.observer is not None:
-            self.service.observer.turn_ended(self.plan, event)
+            engine = self.placement.engine.name if self.placement is not None else None
+            self.service.observer.turn_ended(self.plan, event, engine)
         return event
 
     def close(self) -> None:

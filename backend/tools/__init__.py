@@ -4,6 +4,7 @@ live under the composition root; the CLI imports each one only when its command 
 
     replay.py          `hyperharness replay`: traces through the proxy and straight at vLLM, cache reuse
     bench_fanout.py    `hyperharness bench fanout`: subagents on a small pool (short and long-context), direct vs proxy
+    bench_route.py     `hyperharness bench route`: a session trace over two engines, placement policies compared
     bench_costs.py     `python -m backend.tools.bench_costs`: the proxy's added latency and CPU
     bench_upstream.py  `python -m backend.tools.bench_upstream`: the upstream client's per-request cost
     bench_render.py    `python -m backend.tools.bench_render`: render / splice cost of a long session
@@ -45,3 +46,27 @@ def fanout_command(
     log_dir.mkdir(parents=True, exist_ok=True)
     kw = {"subagents": subagents, "sub_tokens": sub_tokens, "main_gap": main_gap}
     print(asyncio.run(fanout(profile, engine_url, log_dir.resolve(), kw, mode, long_profile)))
+
+
+
+@bench_app.command("route")
+def route_command(
+    profile: str = typer.Option("cpu-smol", "--profile", "-p", help="engine profile (configs/<name>.yaml)"),
+    sessions: int = typer.Option(4, help="K agent sessions run at once"),
+    turns: int = typer.Option(4, help="M turns per session"),
+    fanout: int = typer.Option(3, help="subagents per session (two turns each, parent header)"),
+    reply_tokens: int = typer.Option(32, help="tokens per reply"),
+    system_words: int = typer.Option(300, help="shared system prompt length in words"),
+    policies: str = typer.Option("affinity,round_robin,session_hash,least_loaded", help="comma-separated"),
+    kv_gib: int = typer.Option(None, help="CPU profiles: each engine's KV pool in GiB (default: the profile's)"),
+    max_model_len: int = typer.Option(None, help="each engine's window (default: the profile's)"),
+    log_dir: Path = typer.Option(Path(".run/logs"), help="engine and proxy logs"),
+) -> None:
+    """K sessions x M turns with subagent fan-out over two engines: our placement vs the baselines."""
+    from .bench_route import bench_route
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    kw = {"sessions": sessions, "turns": turns, "fanout": fanout, "reply_tokens": reply_tokens,
+          "system_words": system_words}
+    chosen = tuple(p.strip() for p in policies.split(",") if p.strip())
+    print(bench_route(profile, log_dir.resolve(), kw, chosen, kv_gib=kv_gib, max_model_len=max_model_len))

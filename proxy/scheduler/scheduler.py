@@ -71,12 +71,16 @@ class SeatTicket:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig | None = None, registry: CollectorRegistry | None = None, *,
+    def __init__(self, config: SchedulerConfig | None = None,
+                 registry: CollectorRegistry | SchedulerMetrics | None = None, *,
                  engine: EngineGeometry | None = None, geometry: PoolGeometry | None = None,
-                 read_metrics_text: Callable[[], Awaitable[str]] | None = None) -> None:
+                 read_metrics_text: Callable[[], Awaitable[str]] | None = None, name: str = "engine-0") -> None:
         self.config = config or SchedulerConfig()
         self.engine = engine or EngineGeometry()  # the runtime config's facts: seats, state pages, spec tokens
-        self.metrics = SchedulerMetrics(registry or CollectorRegistry())
+        # `registry`: the app's families (several engines share them) or a registry to register them in
+        family = (registry if isinstance(registry, SchedulerMetrics)
+                  else SchedulerMetrics(registry or CollectorRegistry()))
+        self.metrics = family.bind(name)  # this engine's children, resolved once
         self.geometry = geometry
         self.live = LiveGauges()
         self._read = read_metrics_text
@@ -213,8 +217,8 @@ class Scheduler:
             self._interactive_blocks += need
             self.reserve.observe(private, self._by_class[Priority.INTERACTIVE])
         m = self.metrics
-        m.admitted.labels(w.priority.label, how).inc()
-        m.wait.labels(w.priority.label).observe(time.monotonic() - w.enqueued)
+        m.admitted[w.priority, how].inc()
+        m.wait[w.priority].observe(time.monotonic() - w.enqueued)
         self._publish_counts()
         return ticket
 
@@ -261,8 +265,8 @@ class Scheduler:
         m.reserve_blocks.set(r.blocks)
         m.reserve_seats.set(r.seats)
         for p in Priority:
-            m.running.labels(p.label).set(self._by_class[p])
-            m.queue_depth.labels(p.label).set(self.queue.depth(p))
+            m.running[p].set(self._by_class[p])
+            m.queue_depth[p].set(self.queue.depth(p))
 
     # -- queue ----------------------------------------------------------------------------------
 
@@ -321,7 +325,7 @@ class Scheduler:
             return w.future.result()
         if len(self.queue) > self.config.max_queue:
             self.queue.remove(w)
-            self.metrics.rejected.labels(p.label, "queue_full").inc()
+            self.metrics.rejected[p, "queue_full"].inc()
             self._publish_counts()
             raise QueueFull(f"admission queue is full ({self.config.max_queue} waiting); retry later",
                             self._retry_after())
@@ -331,7 +335,7 @@ class Scheduler:
             self._abandon(w)
             raise
         if not done and self.queue.remove(w):  # else it was granted in the same instant
-            self.metrics.rejected.labels(p.label, "wait_timeout").inc()
+            self.metrics.rejected[p, "wait_timeout"].inc()
             self._publish_counts()
             raise QueueTimeout(f"waited {self.config.max_wait_s[p]:.0f}s for engine capacity; retry later",
                                self._retry_after())
@@ -340,7 +344,7 @@ class Scheduler:
     def _abandon(self, w: Waiter) -> None:
         """The caller went away while queued: leave the queue, or give back what was just granted."""
         if self.queue.remove(w):
-            self.metrics.cancelled.labels(w.priority.label).inc()
+            self.metrics.cancelled[w.priority].inc()
             self._publish_counts()
             self._pump()  # the head may have changed
         elif w.future.done() and not w.future.cancelled() and w.future.exception() is None:
@@ -353,8 +357,9 @@ class Scheduler:
                 "by_class": {p.label: self._by_class[p] for p in Priority}}
 
 
-def open_scheduler(upstream_get_text: Callable[[str], Awaitable[str]], registry: CollectorRegistry,
-                   config: SchedulerConfig, engine: EngineGeometry) -> Scheduler:
+def open_scheduler(upstream_get_text: Callable[[str], Awaitable[str]], registry: CollectorRegistry | SchedulerMetrics,
+                   config: SchedulerConfig, engine: EngineGeometry, name: str = "engine-0") -> Scheduler:
     """The scheduler the app runs: the pool's size from the engine's /metrics, seats and per-seat costs
     from the runtime config."""
-    return Scheduler(config, registry, engine=engine, read_metrics_text=lambda: upstream_get_text("/metrics"))
+    return Scheduler(config, registry, engine=engine, read_metrics_text=lambda: upstream_get_text("/metrics"),
+                     name=name)

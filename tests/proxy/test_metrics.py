@@ -112,24 +112,23 @@ async def test_metrics_parse_and_split_session_tokens(proxy: tuple[str, MetricsF
     assert not [n for n in fams if n.startswith("hyperharness_")], "old names are gone"
 
 
-ROUTING_SERIES = {"hh_placements", "hh_session_moves", "hh_moved_reprefill_tokens", "hh_engine_up"}  # not ours
-
-
 async def test_grafana_dashboard_names_exist() -> None:
     """Every series the Grafana dashboard queries is one the proxy exposes (ours, the scheduler's, the
-    re-exported vLLM ones) or a placement series of the several-engines proxy."""
+    re-exported vLLM ones, the router's)."""
     import json
     import re
     from pathlib import Path
 
     from proxy.metrics import Metrics
     from proxy.quirks import QuirkLog
+    from proxy.routing.router import RoutingMetrics
     from proxy.scheduler.metrics import SchedulerMetrics
 
     m = Metrics()
     SchedulerMetrics(m.registry)
+    RoutingMetrics(m.registry)
     QuirkLog(m.registry)
-    ours = {f.name for f in m.registry.collect()} | set(VLLM_REEXPORTED) | ROUTING_SERIES
+    ours = {f.name for f in m.registry.collect()} | set(VLLM_REEXPORTED)
     board = json.loads((Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards/hyperharness.json").read_text())
     exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
     used = {re.sub(r"_(total|bucket|sum|count)$", "", n) for e in exprs for n in re.findall(r"\b(?:vllm:|hh_)\w+", e)}

@@ -255,7 +255,7 @@ async def test_backfill_is_bounded() -> None:
     big = asyncio.ensure_future(s.acquire(foot("big", 600)))  # head: needs 60, does not fit
     await settle()
     short = await asyncio.wait_for(s.acquire(foot("short", 90)), 1)  # 9 blocks: fits, backfilled
-    assert not big.done() and s.metrics.admitted.labels("subagent", "backfill")._value.get() == 1
+    assert not big.done() and s.metrics.admitted[Priority.SUBAGENT, "backfill"]._value.get() == 1
     await asyncio.sleep(0.3)  # the head has now waited past the bound: nothing else may pass it
     late = asyncio.ensure_future(s.acquire(foot("late", 90)))
     await settle()
@@ -344,7 +344,7 @@ async def test_cancel_leaves_the_queue_and_frees_a_granted_seat() -> None:
     assert len(s.queue) == 1
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
-    assert len(s.queue) == 0 and s.metrics.cancelled.labels("subagent")._value.get() == 1
+    assert len(s.queue) == 0 and s.metrics.cancelled[Priority.SUBAGENT]._value.get() == 1
     # Granted in the same tick as the cancel: the seat comes back.
     granted = asyncio.ensure_future(s.acquire(foot("c", 100)))
     await settle()

@@ -21,6 +21,7 @@ from backend import geometry
 from backend.profiles import load_profile
 from backend.runtime import proxy_settings
 from backend.tools.bench_fanout import Load, _sub_body, run_mode
+from proxy.admission import Priority
 from proxy.app import create_app
 from proxy.scheduler import Scheduler
 from tests.conftest import Engine, _start_engine
@@ -142,7 +143,7 @@ async def test_interactive_before_background(env: Env) -> None:
     assert main_end < bg_first  # the background request waited behind the main agent
     # ... then started when it reached the head, or earlier in a gap no subagent fits (backfill)
     admitted = env.scheduler.metrics.admitted
-    assert sum(admitted.labels("background", how)._value.get() for how in ("head", "backfill")) >= 1
+    assert sum(admitted[Priority.BACKGROUND, how]._value.get() for how in ("head", "backfill")) >= 1
 
 
 @pytest.mark.asyncio(loop_scope="session")

@@ -48,8 +48,10 @@ def test_round_trip_through_one_file_reads_the_key_files(tmp_path: Path) -> None
 def test_config_is_strict(tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match="upstream must be an http"):
         Settings(upstream="127.0.0.1:8001")
-    with pytest.raises(ValidationError, match="one engine"):
+    with pytest.raises(ValidationError, match="must be unique"):  # several engines, each named once
         Settings(upstreams=(UpstreamConfig(url="http://a:1"), UpstreamConfig(url="http://b:1")))
+    with pytest.raises(ValidationError, match="greater than 0"):
+        UpstreamConfig(url="http://a:1", weight=0)
     with pytest.raises(ValidationError, match="extra"):
         Settings(upstream="http://a:1", sched_seats=4)  # a misspelt knob is an error, not a default
     (tmp_path / "empty").write_text("")
