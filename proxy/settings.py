@@ -117,12 +117,6 @@ class Settings(_Frozen):
             data["upstreams"] = (url if isinstance(url, UpstreamConfig) else UpstreamConfig(url=url),)
         return data
 
-    @model_validator(mode="after")
-    def _one_engine(self) -> Settings:
-        if len(self.upstreams) != 1:
-            raise ValueError(f"this proxy serves one engine; the config names {len(self.upstreams)} upstreams")
-        return self
-
     @property
     def upstream(self) -> UpstreamConfig:
         """The engine (serving over several engines is the scale-out work; one is configured today)."""
