@@ -55,6 +55,12 @@ def serve(
     upstream: list[str] = typer.Option(None, "--upstream", help="a remote engine's URL instead of local ones "
                                        "(repeatable; geometry from the profile)"),
     upstream_key_file: Path = typer.Option(None, help="the remote engines' API key file (with --upstream)"),
+    engine_only: bool = typer.Option(False, "--engine-only", help="start the engine(s) alone, no proxy "
+                                     "(a compose engine service; proxies elsewhere take it as --upstream)"),
+    engine_host: str = typer.Option("127.0.0.1",
+                                    help="engine bind address (beyond loopback: needs --engine-key-file)"),
+    engine_key_file: Path = typer.Option(None,
+                                         help="the engines' API key file (default: a new key per engine and run)"),
 ) -> None:
     """Start the engine(s) and the proxy in front of them; a crashed engine is restarted; Ctrl-C stops all.
     --dry-run prints the engine argv, the proxy's runtime config and the pool geometry."""
@@ -64,7 +70,8 @@ def serve(
         prof = load_profile(profile or default_profile())
         p = plan(prof, host=host, port=port, engine_port=engine_port, use_key=not no_key, key_file=key_file,
                  prepare=not dry_run, run_dir=run_dir.resolve(), redis_url=redis_url, engines=engines,
-                 upstreams=upstream or (), upstream_key_file=upstream_key_file)
+                 upstreams=upstream or (), upstream_key_file=upstream_key_file, engine_only=engine_only,
+                 engine_host=engine_host, engine_key_file=engine_key_file)
         if dry_run:
             print_plan(p)
             if not p.geometry.fits:

@@ -26,7 +26,7 @@ ENGINE_HOST = "127.0.0.1"
 
 
 def engine_argv(profile: Profile, model_path: Path | str, port: int, python: str = sys.executable,
-                index: int = 0) -> list[str]:
+                index: int = 0, host: str = ENGINE_HOST) -> list[str]:
     """Every flag explicit: nothing is left to vLLM defaults that the profile has an opinion on.
     `index`: which of `serve --engines N` this is (its KV-event sockets are offset by it)."""
     e = profile.engine
@@ -34,7 +34,7 @@ def engine_argv(profile: Profile, model_path: Path | str, port: int, python: str
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_path),
         "--served-model-name", profile.model.served_name,
-        "--host", ENGINE_HOST,
+        "--host", host,
         "--port", str(port),
         "--max-model-len", str(e.max_model_len),
         "--max-num-seqs", str(e.max_num_seqs),

@@ -27,7 +27,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from proxy.settings import Settings
+from proxy.settings import Settings, read_key
 
 from . import geometry
 from .keys import default_key_file, load_or_create_key
@@ -55,6 +55,7 @@ class EnginePlan:
     key: str  # VLLM_API_KEY: known to this engine and the proxy only
     key_file: Path
     log_name: str
+    host: str = "127.0.0.1"
 
     @property
     def health_url(self) -> str:
@@ -76,6 +77,7 @@ class ServePlan:
     # Key files this run writes and removes: each engine's key, and the client key when it came from the
     # environment (the config names files, never secrets).
     written_keys: tuple[tuple[Path, str], ...] = ()
+    engine_only: bool = False  # `--engine-only`: the engines of a container set (compose), no proxy
 
     @property
     def proxy_argv(self) -> list[str]:
@@ -172,9 +174,17 @@ def placement_env(profile: Profile, count: int) -> list[dict[str, str]]:
 def plan(profile: Profile, *, host: str | None, port: int | None, engine_port: int | None,
          use_key: bool, key_file: Path | None, prepare: bool, run_dir: Path = Path(".run"),
          redis_url: str | None = None, engines: int = 1, upstreams: Sequence[str] = (),
-         upstream_key_file: Path | None = None) -> ServePlan:
+         upstream_key_file: Path | None = None, engine_only: bool = False, engine_host: str = "127.0.0.1",
+         engine_key_file: Path | None = None) -> ServePlan:
+    """`engine_only`, `engine_host`, `engine_key_file`: run the engines alone, on `engine_host`, all with
+    the key in that file (the proxies of a compose set read the same file); else each engine gets a key
+    of its own for this run, known to the proxy only, and binds 127.0.0.1."""
     if engines < 1:
         raise ServeError("--engines must be at least 1")
+    if engine_only and upstreams:
+        raise ServeError("--engine-only starts local engines; --upstream names remote ones")
+    if engine_host not in ("127.0.0.1", "localhost") and engine_key_file is None:
+        raise ServeError("an engine bound beyond loopback needs --engine-key-file (its key, shared with the proxies)")
     if upstreams and engines != 1:
         raise ServeError("give --engines N (local engines) or --upstream URL (remote ones), not both")
     model_path = resolve_model(profile, prepare=prepare)
@@ -192,11 +202,16 @@ def plan(profile: Profile, *, host: str | None, port: int | None, engine_port: i
     if not upstreams:
         base = engine_port or profile.proxy.engine_port
         for i, env in enumerate(placement_env(profile, engines)):
-            name, eport, ekey = engine_name(i), base + i, secrets.token_urlsafe(24)
-            ekey_file = keys_dir / ("engine_api_key" if i == 0 else f"{name}_api_key")
-            written.append((ekey_file, ekey))
-            local.append(EnginePlan(name, eport, engine_argv(profile, model_path, eport, index=i), env, ekey,
-                                    ekey_file, "engine.log" if engines == 1 else f"{name}.log"))
+            name, eport = engine_name(i), base + i
+            if engine_key_file is not None:
+                ekey, ekey_file = _shared_key(engine_key_file), engine_key_file
+            else:
+                ekey = secrets.token_urlsafe(24)
+                ekey_file = keys_dir / ("engine_api_key" if i == 0 else f"{name}_api_key")
+                written.append((ekey_file, ekey))
+            argv = engine_argv(profile, model_path, eport, index=i, host=engine_host)
+            local.append(EnginePlan(name, eport, argv, env, ekey, ekey_file,
+                                    "engine.log" if engines == 1 else f"{name}.log", engine_host))
     urls: list[tuple[str, Path | None]] = [(f"http://127.0.0.1:{e.port}", e.key_file) for e in local] or \
         [(u, upstream_key_file) for u in upstreams]
     bind = host or profile.proxy.host or ("0.0.0.0" if use_key else "127.0.0.1")
@@ -204,7 +219,14 @@ def plan(profile: Profile, *, host: str | None, port: int | None, engine_port: i
         profile, geom, model_path=model_path, host=bind, port=port or profile.proxy.port, engines=urls,
         api_key_file=api_key_file, redis_url=redis_url)
     return ServePlan(profile, model_path, geom, tuple(local), engine_env(profile, base={}), settings,
-                     run_dir / "proxy.json", run_dir, key, source, tuple(written))
+                     run_dir / "proxy.json", run_dir, key, source, tuple(written), engine_only)
+
+
+def _shared_key(path: Path) -> str:
+    try:
+        return read_key(path)
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
 
 
 def print_plan(p: ServePlan) -> None:
@@ -245,8 +267,8 @@ def remove_runtime_files(p: ServePlan) -> None:
 async def run(p: ServePlan, health_timeout: float = 900.0, policy: RestartPolicy | None = None) -> int:
     if p.engines:  # the pool check holds per engine: each runs the profile's geometry on its own pool
         geometry.check(p.geometry)
-    checks = [("proxy", p.proxy_port, p.proxy_host, "--port N")]
-    checks += [(e.name, e.port, "127.0.0.1", "--engine-port N") for e in p.engines]
+    checks = [] if p.engine_only else [("proxy", p.proxy_port, p.proxy_host, "--port N")]
+    checks += [(e.name, e.port, e.host, "--engine-port N") for e in p.engines]
     for name, port, host, flag in checks:
         if not port_is_free(port, "0.0.0.0" if host == "0.0.0.0" else "127.0.0.1"):
             raise ServeError(f"port {port} ({name}) is already in use; stop what holds it or pass {flag}")
@@ -270,7 +292,8 @@ async def run(p: ServePlan, health_timeout: float = 900.0, policy: RestartPolicy
     try:
         for proc in engines:
             proc.start()
-        proxy.start()
+        if not p.engine_only:
+            proxy.start()
         with console.status("") as status:
             def tick(label):
                 # A spinner on a terminal; a line every 10 s in a log or CI, where a spinner is invisible.
@@ -287,11 +310,17 @@ async def run(p: ServePlan, health_timeout: float = 900.0, policy: RestartPolicy
             await _until(stop, asyncio.gather(*(
                 wait_healthy(e.health_url, proc, health_timeout, tick(e.name if len(engines) > 1 else "engine"))
                 for proc, e in zip(engines, p.engines, strict=True))))
-            await _until(stop, wait_healthy(f"http://127.0.0.1:{p.proxy_port}/health", proxy, 60, tick("proxy")))
-        _print_ready(p, time.monotonic() - started, logs)
+            if not p.engine_only:
+                await _until(stop, wait_healthy(f"http://127.0.0.1:{p.proxy_port}/health", proxy, 60,
+                                                tick("proxy")))
+        if p.engine_only:
+            _say(f"engines ready in {time.monotonic() - started:.1f}s: "
+                 + ", ".join(f"{e.name} {e.host}:{e.port}" for e in p.engines))
+        else:
+            _print_ready(p, time.monotonic() - started, logs)
         watchers = [asyncio.ensure_future(s.watch(stop)) for s in supervisors]
         while not stop.is_set():
-            if not proxy.alive:
+            if not p.engine_only and not proxy.alive:
                 console.print(f"[red]proxy exited (code {proxy.returncode}); stopping[/]\n{proxy.log_tail()}")
                 return 1
             if supervisors and all(s.failed for s in supervisors):
