@@ -59,7 +59,7 @@ class EngineSupervisor:
     async def _recover(self, stop: asyncio.Event) -> bool:
         died = time.monotonic()
         while not stop.is_set():
-            self._reap(f"exited (code {self.proc.returncode})")
+            await self._reap(f"exited (code {self.proc.returncode})")
             now = time.monotonic()
             while self.restarts and now - self.restarts[0] > self.policy.window_s:
                 self.restarts.popleft()
@@ -91,10 +91,11 @@ class EngineSupervisor:
             return True
         return True
 
-    def _reap(self, why: str) -> None:
-        """Kill whatever the dead engine left in its session (vLLM's EngineCore) and say so."""
+    async def _reap(self, why: str) -> None:
+        """Kill whatever the dead engine left in its session (vLLM's EngineCore) and say so; in a thread,
+        so the other engines' supervisors go on meanwhile."""
         orphans = self.proc.leftovers()
-        left = self.proc.stop(timeout=10.0)
+        left = await asyncio.to_thread(self.proc.stop, 10.0)
         note = f"; killed {len(orphans)} leftover process(es) {orphans}" if orphans else ""
         if left:
             note += f"; STILL RUNNING: {left}"
