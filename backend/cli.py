@@ -50,15 +50,28 @@ def serve(
     run_dir: Path = typer.Option(Path(".run"),
                                  help="logs under RUN_DIR/logs; the proxy config and this run's key files in RUN_DIR"),
     redis_url: str = typer.Option(None, help="keep session transcripts in Redis (shared across proxies)"),
+    engines: int = typer.Option(1, "--engines", min=1, help="start N engines of the profile behind the proxy "
+                                "(one per GPU, or N on the CPU), on --engine-port, +1, …"),
+    upstream: list[str] = typer.Option(None, "--upstream", help="a remote engine's URL instead of local ones "
+                                       "(repeatable; geometry from the profile)"),
+    upstream_key_file: Path = typer.Option(None, help="the remote engines' API key file (with --upstream)"),
+    engine_only: bool = typer.Option(False, "--engine-only", help="start the engine(s) alone, no proxy "
+                                     "(a compose engine service; proxies elsewhere take it as --upstream)"),
+    engine_host: str = typer.Option("127.0.0.1",
+                                    help="engine bind address (beyond loopback: needs --engine-key-file)"),
+    engine_key_file: Path = typer.Option(None,
+                                         help="the engines' API key file (default: a new key per engine and run)"),
 ) -> None:
-    """Start the engine and the proxy in front of it; Ctrl-C stops both. --dry-run prints the engine argv,
-    the proxy's runtime config and the pool geometry."""
+    """Start the engine(s) and the proxy in front of them; a crashed engine is restarted; Ctrl-C stops all.
+    --dry-run prints the engine argv, the proxy's runtime config and the pool geometry."""
     from .serve import ServeError, plan, print_plan, run
 
     try:
         prof = load_profile(profile or default_profile())
         p = plan(prof, host=host, port=port, engine_port=engine_port, use_key=not no_key, key_file=key_file,
-                 prepare=not dry_run, run_dir=run_dir.resolve(), redis_url=redis_url)
+                 prepare=not dry_run, run_dir=run_dir.resolve(), redis_url=redis_url, engines=engines,
+                 upstreams=upstream or (), upstream_key_file=upstream_key_file, engine_only=engine_only,
+                 engine_host=engine_host, engine_key_file=engine_key_file)
         if dry_run:
             print_plan(p)
             if not p.geometry.fits:

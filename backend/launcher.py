@@ -7,6 +7,7 @@ as `python -m vllm.entrypoints.openai.api_server` on every platform.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -24,14 +25,16 @@ from .profiles import Profile
 ENGINE_HOST = "127.0.0.1"
 
 
-def engine_argv(profile: Profile, model_path: Path | str, port: int, python: str = sys.executable) -> list[str]:
-    """Every flag explicit: nothing is left to vLLM defaults that the profile has an opinion on."""
+def engine_argv(profile: Profile, model_path: Path | str, port: int, python: str = sys.executable,
+                index: int = 0, host: str = ENGINE_HOST) -> list[str]:
+    """Every flag explicit: nothing is left to vLLM defaults that the profile has an opinion on.
+    `index`: which of `serve --engines N` this is (its KV-event sockets are offset by it)."""
     e = profile.engine
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_path),
         "--served-model-name", profile.model.served_name,
-        "--host", ENGINE_HOST,
+        "--host", host,
         "--port", str(port),
         "--max-model-len", str(e.max_model_len),
         "--max-num-seqs", str(e.max_num_seqs),
@@ -71,6 +74,8 @@ def engine_argv(profile: Profile, model_path: Path | str, port: int, python: str
         argv += ["--compilation-config", json.dumps(e.compilation_config, separators=(",", ":"))]
     if e.speculative:
         argv += ["--speculative-config", json.dumps(e.speculative.to_json(), separators=(",", ":"))]
+    if e.kv_events:
+        argv += ["--kv-events-config", json.dumps(e.kv_events.to_json(index), separators=(",", ":"))]
     return argv + list(e.extra_args)
 
 
@@ -108,9 +113,28 @@ class EngineError(RuntimeError):
     pass
 
 
+def session_members(sid: int) -> list[int]:
+    """Live (not zombie) processes whose session id is `sid`, read from /proc. A child started with
+    `start_new_session=True` leads a session of its own, and every process it forks (vLLM's EngineCore,
+    its workers) stays in that session even once the leader is gone, so this finds the orphans a
+    SIGKILLed API server leaves behind. Empty where there is no /proc (not Linux)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*/stat") if Path("/proc/self/stat").exists() else ():
+        try:
+            stat = entry.read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid pgrp session ...": comm may hold spaces or ')', so split after the last ')'
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            found.append(int(entry.parent.name))
+    return found
+
+
 @dataclass
 class ManagedProcess:
-    """A child process in its own process group, logged to a file, stopped with its whole group."""
+    """A child process leading its own session (so its own process group), logged to a file, stopped
+    with every process of that session, including children its leader left behind when it died."""
 
     name: str
     argv: list[str]
@@ -128,6 +152,10 @@ class ManagedProcess:
         log.close()
 
     @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    @property
     def returncode(self) -> int | None:
         return None if self.proc is None else self.proc.returncode
 
@@ -135,19 +163,37 @@ class ManagedProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self, timeout: float = 20.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
+    def leftovers(self) -> list[int]:
+        """Processes of this child's session still running (the leader itself included while alive)."""
+        if self.proc is None:
+            return []
+        self.proc.poll()  # reap a dead leader so it does not count as a zombie member
+        return session_members(self.proc.pid)
+
+    def stop(self, timeout: float = 20.0) -> list[int]:
+        """SIGTERM the whole session, then SIGKILL what is left; also when the leader is already dead
+        (a SIGKILLed vLLM API server leaves its EngineCore running, in the same session). Returns the
+        pids still alive afterwards (none, unless a process escaped into a session of its own)."""
+        if self.proc is None:
+            return []
         for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+            self._signal_all(sig)
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(0.2)
+                if not self.leftovers():
+                    return []
+        return self.leftovers()
+
+    def _signal_all(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)  # the group outlives its leader while a member is left
+        for pid in self.leftovers():  # a member that moved to a group of its own, same session
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
 
     def log_tail(self, lines: int = 30) -> str:
         try:

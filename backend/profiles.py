@@ -129,6 +129,35 @@ class Drafter(_Strict):
     sliding_window: int | None = Field(default=None, ge=1)
 
 
+class KVEvents(_Strict):
+    """vLLM's KV-cache events (`--kv-events-config`): every block the engine stores or evicts, published
+    over ZMQ, so an index-based router (llm-d's KV-cache manager, NVIDIA Dynamo's KV router) can run in
+    front of or beside our proxy (docs/scale-out.md). Engine i of `serve --engines N` publishes on the
+    endpoint's port + i, so engines side by side never share a socket."""
+
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None  # where a subscriber that joined late asks for recent events
+    topic: str = "kv-events"
+    buffer_steps: int = Field(default=10_000, ge=1)
+
+    def to_json(self, index: int = 0) -> dict:
+        out: dict = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": self.topic,
+                     "buffer_steps": self.buffer_steps, "endpoint": _port_plus(self.endpoint, index)}
+        if self.replay_endpoint:
+            out["replay_endpoint"] = _port_plus(self.replay_endpoint, index)
+        return out
+
+
+def _port_plus(endpoint: str, index: int) -> str:
+    """`tcp://*:5557` -> `tcp://*:5558` for index 1; an endpoint with no port (ipc://) gets a suffix."""
+    if index == 0:
+        return endpoint
+    head, sep, port = endpoint.rpartition(":")
+    if sep and port.isdigit() and head.startswith("tcp"):
+        return f"{head}:{int(port) + index}"
+    return f"{endpoint}-{index}"
+
+
 class Engine(_Strict):
     device: Literal["cpu", "cuda"]
     max_model_len: int = Field(ge=256)
@@ -160,6 +189,7 @@ class Engine(_Strict):
     enable_prompt_tokens_details: bool = True
     compilation_config: dict | None = None
     speculative: Speculative | None = None
+    kv_events: KVEvents | None = None  # None: vLLM publishes none (its default)
     drafter: Drafter | None = None
     plugin: PluginSwitches = PluginSwitches()
     extra_args: tuple[str, ...] = ()

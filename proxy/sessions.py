@@ -64,7 +64,8 @@ def dsh_log_ids(log_field: Any) -> LogIds:
     inner = log_field.get("session")
     session: dict[str, Any] = inner if isinstance(inner, dict) else log_field
     sid = session.get("id") or session.get("sessionId") or session.get("session_id")
-    parent = session.get("parentId") or session.get("parentSessionId") or session.get("parent_session_id")
+    parent = (session.get("parentId") or session.get("parentSessionId") or session.get("parent_session_id")
+              or session.get("parentSession"))  # 0.2.1rc2 names it parentSession
     if isinstance(session.get("parent"), dict):
         parent = parent or session["parent"].get("id")
     return LogIds(sid if isinstance(sid, str) and sid else None, parent if isinstance(parent, str) and parent else None)
