@@ -154,7 +154,7 @@ def children_of(rig: Rig) -> tuple[str, list[Any], list[Any]]:
 async def subagent_admissions(rig: Rig) -> float:
     async with httpx.AsyncClient() as c:
         text = (await c.get(rig.url + "/metrics", headers={"authorization": f"Bearer {KEY}"})).text
-    found = re.findall(r'^hyperharness_scheduler_admitted_total\{[^}]*priority="subagent"[^}]*\} ([0-9.e+]+)',
+    found = re.findall(r'^hh_scheduler_admitted_total\{[^}]*priority="subagent"[^}]*\} ([0-9.e+]+)',
                        text, re.M)
     return sum(map(float, found))
 
