@@ -81,6 +81,10 @@ class UpstreamError(ProxyError):
     type = "upstream_error"
 
 
+class UpstreamUnreachable(UpstreamError):
+    """No connection was made: nothing reached the engine, so the turn may go to another one."""
+
+
 def error_body(message: str, type_: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 

@@ -19,6 +19,7 @@ from proxy.ingress import TurnRequest
 from proxy.relay import relay
 from proxy.scheduler import Queued, hold
 from proxy.services import Services
+from proxy.turn import Turn
 from proxy.wire import Wire
 from proxy.wire.anthropic import AnthropicWire
 from proxy.wire.openai import OpenAIWire
@@ -40,6 +41,8 @@ async def serve_turn(services: Services, request: Request, turn_request: TurnReq
     held = await hold(turns.open(turn_request, prepared), stream=turn_request.chat.stream,
                       is_disconnected=request.is_disconnected, after_s=cfg.keepalive_after_s,
                       every_s=cfg.keepalive_every_s)
+    if isinstance(held, Turn) and held.placement is not None:  # placed again if its engine was unreachable
+        headers = {ENGINE_HEADER: held.placement.engine.name}
     if isinstance(held, Queued):  # still waiting for engine capacity: SSE comments until admitted
         body = held.body(wire.stream, wire.error_event)
         return StreamingResponse(body, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})

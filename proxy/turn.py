@@ -20,7 +20,7 @@ from typing import Any
 
 from proxy.admission import Admission, Footprint, NoAdmission, Ticket
 from proxy.constraints import JsonToolCallParser
-from proxy.errors import ProxyError, UpstreamError
+from proxy.errors import ProxyError, UpstreamError, UpstreamUnreachable
 from proxy.format.base import ChatFormat, Delta, DeltaKind, OutputParser, ParsedOutput
 from proxy.ingress import TurnRequest
 from proxy.logprobs import LogprobsBuilder
@@ -64,7 +64,8 @@ class TurnService:
         placement = await self.router.place(req, plan.prompt) if self.router is not None else None
         return plan, placement
 
-    async def open(self, req: TurnRequest, prepared: tuple[Plan, Placement | None] | None = None) -> Turn:
+    async def open(self, req: TurnRequest, prepared: tuple[Plan, Placement | None] | None = None, *,
+                   replaced: bool = False) -> Turn:
         plan, placement = prepared or await self.prepare(req)
         upstream = placement.engine.upstream if placement is not None else self.upstream
         admission = placement.engine.admission if placement is not None else self.admission
@@ -77,7 +78,14 @@ class TurnService:
         except BaseException as exc:
             ticket.release()
             self.engine_failed(placement, exc)
-            raise
+            if not isinstance(exc, UpstreamUnreachable) or self.router is None or placement is None or replaced:
+                raise
+            # Nothing reached that engine (another replica saw it die first): place the turn once more;
+            # the router checks the failed engine now and moves the session if it is down.
+            again = await self.router.place(req, plan.prompt)
+            if again.engine is placement.engine:
+                raise
+            return await self.open(req, (plan, again), replaced=True)
         return Turn(self, plan, stream, ticket, placement)
 
     def engine_failed(self, placement: Placement | None, exc: BaseException) -> None:

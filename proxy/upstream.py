@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from proxy.errors import InvalidRequest, UpstreamError
+from proxy.errors import InvalidRequest, UpstreamError, UpstreamUnreachable
 from proxy.sse import SSEParser
 
 # Hop-by-hop and length headers must not be copied between the two connections.
@@ -246,6 +246,8 @@ class Upstream:
                 retries += 1
                 if not ctx.reused or retries > _REUSE_RETRIES:
                     raise UpstreamError(f"upstream {self.base_url} unreachable: {exc}") from exc
+            except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
+                raise UpstreamUnreachable(f"upstream {self.base_url} unreachable: {exc}") from exc
             except (aiohttp.ClientError, OSError) as exc:
                 raise UpstreamError(f"upstream {self.base_url} unreachable: {exc}") from exc
 
