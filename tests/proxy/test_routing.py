@@ -270,3 +270,29 @@ async def test_redis_down_places_by_hash_instead_of_failing() -> None:
     await router.sent(turn("lost").session.key, p, list(range(50)))  # a finished turn is not failed for it
     await state.close()
     await close(engines)
+
+
+async def test_unreachable_engine_before_any_health_check_moves_the_turn() -> None:
+    """Another replica saw the engine die; this one has not checked it yet (long health period). The
+    connection is refused, nothing reached the engine, so the turn is placed once more and succeeds."""
+    fakes = [FakeVLLM(), FakeVLLM()]
+    servers = [TestServer(f.app(), host="127.0.0.1") for f in fakes]
+    for s in servers:
+        await s.start_server()
+    ups = tuple(UpstreamConfig(name=f"gpu{i}", url=str(s.make_url("")).rstrip("/")) for i, s in enumerate(servers))
+    settings = Settings(upstreams=ups, model_name="m", routing=RoutingConfig(health_period_s=3600))
+    msgs = [{"role": "user", "content": "hello"}]
+    hdr = {"x-session-id": "sess-u"}
+    async with serve_app(create_app(settings, fmt=ToyFormat())) as url, httpx.AsyncClient(base_url=url) as c:
+        r1 = await c.post("/v1/chat/completions", json={"model": "m", "messages": msgs}, headers=hdr)
+        home = r1.headers["x-hyperharness-engine"]
+        i = int(home[-1])
+        await servers[i].close()  # gone: no periodic check will notice within this test
+        msgs += [{"role": "assistant", "content": "abc"}, {"role": "user", "content": "more"}]
+        for stream in (False, True):
+            r = await c.post("/v1/chat/completions", json={"model": "m", "messages": msgs, "stream": stream},
+                             headers=hdr)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-hyperharness-engine"] == f"gpu{1 - i}"
+            assert "error" not in r.text
+    await servers[1 - i].close()
