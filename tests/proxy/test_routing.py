@@ -217,13 +217,17 @@ async def test_redis_first_placement_is_atomic_and_ttl_refreshed(redis_url: str)
     await close(engines)
 
 
-async def test_app_names_the_engine_and_fails_over() -> None:
-    fakes = [FakeVLLM(), FakeVLLM()]
-    servers = [TestServer(f.app(), host="127.0.0.1") for f in fakes]
+async def two_fake_engines(health_period_s: float) -> tuple[list[TestServer], Settings]:
+    """Two fake vLLM servers, gpu0 and gpu1, and the proxy settings that list them."""
+    servers = [TestServer(FakeVLLM().app(), host="127.0.0.1") for _ in range(2)]
     for s in servers:
         await s.start_server()
     ups = tuple(UpstreamConfig(name=f"gpu{i}", url=str(s.make_url("")).rstrip("/")) for i, s in enumerate(servers))
-    settings = Settings(upstreams=ups, model_name="m", routing=RoutingConfig(health_period_s=0.2))
+    return servers, Settings(upstreams=ups, model_name="m", routing=RoutingConfig(health_period_s=health_period_s))
+
+
+async def test_app_names_the_engine_and_fails_over() -> None:
+    servers, settings = await two_fake_engines(health_period_s=0.2)
     msgs = [{"role": "user", "content": "hello"}]
     hdr = {"x-session-id": "sess-1"}
     async with serve_app(create_app(settings, fmt=ToyFormat())) as url, httpx.AsyncClient(base_url=url) as c:
@@ -275,12 +279,7 @@ async def test_redis_down_places_by_hash_instead_of_failing() -> None:
 async def test_unreachable_engine_before_any_health_check_moves_the_turn() -> None:
     """Another replica saw the engine die; this one has not checked it yet (long health period). The
     connection is refused, nothing reached the engine, so the turn is placed once more and succeeds."""
-    fakes = [FakeVLLM(), FakeVLLM()]
-    servers = [TestServer(f.app(), host="127.0.0.1") for f in fakes]
-    for s in servers:
-        await s.start_server()
-    ups = tuple(UpstreamConfig(name=f"gpu{i}", url=str(s.make_url("")).rstrip("/")) for i, s in enumerate(servers))
-    settings = Settings(upstreams=ups, model_name="m", routing=RoutingConfig(health_period_s=3600))
+    servers, settings = await two_fake_engines(health_period_s=3600)
     msgs = [{"role": "user", "content": "hello"}]
     hdr = {"x-session-id": "sess-u"}
     async with serve_app(create_app(settings, fmt=ToyFormat())) as url, httpx.AsyncClient(base_url=url) as c:
