@@ -101,9 +101,12 @@ class TurnService:
             "stream": True,
             "stream_options": {"include_usage": True},
             "return_token_ids": True,
-            "stop_token_ids": sorted(self.fmt.stop_token_ids),
             "skip_special_tokens": False,
         }
+        # The format's end-of-turn ids stop the turn, except for a client that asked for `ignore_eos`
+        # (run to max_tokens, as benchmarks and load tests do): vLLM honours stop ids even then.
+        if not plan.request.chat.sampling.get("ignore_eos"):
+            body["stop_token_ids"] = sorted(self.fmt.stop_token_ids)
         if plan.forced_outputs is not None:
             given = body.get("structured_outputs")
             body["structured_outputs"] = {**(given if isinstance(given, dict) else {}), **plan.forced_outputs}

@@ -68,6 +68,15 @@ async def test_non_streaming(env: Env) -> None:
     assert sent["max_tokens"] == 400 - len(sent["prompt"])  # capped to the room left
 
 
+async def test_ignore_eos_sends_no_end_of_turn_stop(env: Env) -> None:
+    """`ignore_eos` asks for max_tokens tokens; the format's stop ids would end the turn anyway."""
+    env.say("hello")
+    await env.client.chat.completions.create(model="any", messages=[SYS, USER], max_tokens=8,
+                                             extra_body={"ignore_eos": True}, extra_headers={"x-session-id": "eos"})
+    sent = env.fake.requests[-1]
+    assert sent["ignore_eos"] is True and "stop_token_ids" not in sent
+
+
 async def test_streaming_shape(env: Env) -> None:
     env.say("yo")
     stream = await env.client.chat.completions.create(
