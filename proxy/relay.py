@@ -8,11 +8,12 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from proxy.http import SSE_HEADERS, read_json
 from proxy.normalize import check_generation_fields
 from proxy.services import Services
+from proxy.streaming import StreamedResponse
 from proxy.upstream import forward_headers
 
 
@@ -43,4 +44,4 @@ async def relay(services: Services, request: Request, path: str) -> Response:
     media = out_headers.pop("Content-Type", None) or out_headers.pop("content-type", None)
     if media and media.startswith("text/event-stream"):
         out_headers.update(SSE_HEADERS)
-    return StreamingResponse(body_iter(), status_code=resp.status, headers=out_headers, media_type=media)
+    return StreamedResponse(body_iter(), status_code=resp.status, headers=out_headers, media_type=media)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from proxy import quirks
 from proxy.errors import ProxyError
@@ -19,6 +19,7 @@ from proxy.ingress import TurnRequest
 from proxy.relay import relay
 from proxy.scheduler import Queued, hold
 from proxy.services import Services
+from proxy.streaming import StreamedResponse
 from proxy.turn import Turn
 from proxy.wire import Wire
 from proxy.wire.anthropic import AnthropicWire
@@ -45,9 +46,9 @@ async def serve_turn(services: Services, request: Request, turn_request: TurnReq
         headers = {ENGINE_HEADER: held.placement.engine.name}
     if isinstance(held, Queued):  # still waiting for engine capacity: SSE comments until admitted
         body = held.body(wire.stream, wire.error_event)
-        return StreamingResponse(body, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        return StreamedResponse(body, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     if turn_request.chat.stream:
-        return StreamingResponse(wire.stream(held), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        return StreamedResponse(wire.stream(held), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     return json_response(await wire.complete(held), headers=headers)
 
 

@@ -41,20 +41,28 @@ class DemandReserve:
         self.window_s = window_s
         self.max_fraction = max_fraction
         self._seen: deque[tuple[float, int, int]] = deque(maxlen=_SAMPLES)  # (when, blocks needed, running)
+        self._memo: tuple[int, int | None, Reserve] | None = None  # (pool_blocks, seats, what they gave)
 
     def observe(self, blocks: int, running: int, now: float | None = None) -> None:
         """An interactive request was admitted needing `blocks` beyond the cached prefix, with `running`
         interactive requests (itself included) running."""
         now = time.monotonic() if now is None else now
         self._seen.append((now, blocks, running))
+        self._memo = None
 
     def _expire(self, now: float) -> None:
         while self._seen and now - self._seen[0][0] > self.window_s:
             self._seen.popleft()
+            self._memo = None
 
     def current(self, pool_blocks: int, seats: int | None, now: float | None = None) -> Reserve:
+        """The reserve now. Asked on every admission decision, so it is kept until a sample comes or
+        goes (sorting 64 samples per ask was most of the scheduler's cost per request)."""
         now = time.monotonic() if now is None else now
         self._expire(now)
+        memo = self._memo
+        if memo is not None and memo[0] == pool_blocks and memo[1] == seats:
+            return memo[2]
         if not self._seen:
             blocks = math.ceil(self.prior_fraction * pool_blocks)
             want_seats = self.prior_seats
@@ -64,4 +72,6 @@ class DemandReserve:
             blocks = need[min(len(need) - 1, math.ceil(QUANTILE * len(need)) - 1)] * want_seats
         if seats is not None:
             want_seats = min(want_seats, seats - 1)  # the others always keep a seat
-        return Reserve(blocks=min(blocks, math.floor(self.max_fraction * pool_blocks)), seats=max(0, want_seats))
+        r = Reserve(blocks=min(blocks, math.floor(self.max_fraction * pool_blocks)), seats=max(0, want_seats))
+        self._memo = (pool_blocks, seats, r)
+        return r

@@ -28,6 +28,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from prometheus_client import CollectorRegistry
 
@@ -39,7 +40,7 @@ from .footprint import PrefixIndex, RecentPrefixes, prefix_hashes, worst_case_bl
 from .metrics import SchedulerMetrics
 from .pool import LiveGauges, PoolGeometry, read_metrics
 from .queue import AdmissionQueue, Waiter
-from .reserve import DemandReserve
+from .reserve import DemandReserve, Reserve
 
 log = logging.getLogger("proxy.scheduler")
 
@@ -100,6 +101,7 @@ class Scheduler:
         self._last_read_error = ""
         if geometry is not None:
             self._publish_geometry()
+        self._gauges_read_at_scrape()
 
     # -- geometry -------------------------------------------------------------------------------
 
@@ -188,7 +190,7 @@ class Scheduler:
         g, seats = self.geometry, self.engine.seats
         room_blocks = room_seats = 0
         if w.priority != Priority.INTERACTIVE:  # keep the main agent's headroom beyond what it holds now
-            r = self.reserve.current(g.num_blocks if g is not None else 0, seats)
+            r = self._reserve()
             room_blocks = max(0, r.blocks - self._interactive_blocks)
             room_seats = max(0, r.seats - self._by_class[Priority.INTERACTIVE])
         if seats is not None and self.running + 1 + room_seats > seats:
@@ -219,7 +221,6 @@ class Scheduler:
         m = self.metrics
         m.admitted[w.priority, how].inc()
         m.wait[w.priority].observe(time.monotonic() - w.enqueued)
-        self._publish_counts()
         return ticket
 
     def _materialize(self, t: SeatTicket) -> None:
@@ -234,7 +235,6 @@ class Scheduler:
         t.private_blocks -= moved
         self._private -= moved
         t.shared.extend(new)
-        self._publish_counts()
         self._pump()  # requests sharing this prefix may fit now
 
     def _release(self, t: SeatTicket) -> None:
@@ -253,20 +253,23 @@ class Scheduler:
         self._by_class[t.priority] -= 1
         hold = time.monotonic() - t.admitted_at
         self._mean_hold_s = 0.8 * self._mean_hold_s + 0.2 * hold
-        self._publish_counts()
         self._pump()
 
-    def _publish_counts(self) -> None:
+    def _gauges_read_at_scrape(self) -> None:
+        """The counts as gauges computed when /metrics is scraped, not on every admission and release
+        (which set ten gauges, four times per request: the scheduler's largest per-request cost)."""
         m = self.metrics
-        m.admitted_blocks.set(self.used_blocks)
-        m.shared_blocks.set(len(self._prefix) * self._block_cost())
-        g = self.geometry
-        r = self.reserve.current(g.num_blocks if g is not None else 0, self.engine.seats)
-        m.reserve_blocks.set(r.blocks)
-        m.reserve_seats.set(r.seats)
+        m.admitted_blocks.set_function(lambda: self.used_blocks)
+        m.shared_blocks.set_function(lambda: len(self._prefix) * self._block_cost())
+        m.reserve_blocks.set_function(lambda: self._reserve().blocks)
+        m.reserve_seats.set_function(lambda: self._reserve().seats)
         for p in Priority:
-            m.running[p].set(self._by_class[p])
-            m.queue_depth[p].set(self.queue.depth(p))
+            m.running[p].set_function(partial(self._by_class.__getitem__, p))
+            m.queue_depth[p].set_function(partial(self.queue.depth, p))
+
+    def _reserve(self) -> Reserve:
+        g = self.geometry
+        return self.reserve.current(g.num_blocks if g is not None else 0, self.engine.seats)
 
     # -- queue ----------------------------------------------------------------------------------
 
@@ -297,7 +300,6 @@ class Scheduler:
                     break
             else:
                 break
-        self._publish_counts()
 
     def _grant(self, w: Waiter, how: str) -> None:
         self.queue.served(w)
@@ -326,7 +328,6 @@ class Scheduler:
         if len(self.queue) > self.config.max_queue:
             self.queue.remove(w)
             self.metrics.rejected[p, "queue_full"].inc()
-            self._publish_counts()
             raise QueueFull(f"admission queue is full ({self.config.max_queue} waiting); retry later",
                             self._retry_after())
         try:
@@ -336,7 +337,6 @@ class Scheduler:
             raise
         if not done and self.queue.remove(w):  # else it was granted in the same instant
             self.metrics.rejected[p, "wait_timeout"].inc()
-            self._publish_counts()
             raise QueueTimeout(f"waited {self.config.max_wait_s[p]:.0f}s for engine capacity; retry later",
                                self._retry_after())
         return w.future.result()
@@ -345,7 +345,6 @@ class Scheduler:
         """The caller went away while queued: leave the queue, or give back what was just granted."""
         if self.queue.remove(w):
             self.metrics.cancelled[w.priority].inc()
-            self._publish_counts()
             self._pump()  # the head may have changed
         elif w.future.done() and not w.future.cancelled() and w.future.exception() is None:
             w.future.result().release()

@@ -83,9 +83,11 @@ class MemoryStore:
             self._ids -= sum(len(s.ids) for s in entry[1])
 
     def _evict(self) -> None:
+        # Every use sets expiry to now + ttl and moves the session to the end, so LRU order is expiry
+        # order: the expired ones are at the head (a scan of every session per save was O(sessions)).
         now = self._clock()
-        for session in [s for s, (exp, _) in self._data.items() if exp <= now]:
-            self._drop(session)
+        while self._data and next(iter(self._data.values()))[0] <= now:
+            self._drop(next(iter(self._data)))
         while self._data and (len(self._data) > self.max_sessions or self._ids > self.max_ids):
             self._drop(next(iter(self._data)))
 
