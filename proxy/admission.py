@@ -57,6 +57,10 @@ class Ticket(Protocol):
         """The engine produced a first token: the prompt's blocks are computed (and shareable)."""
         ...
 
+    def progress(self, generated: int) -> None:
+        """The engine has produced `generated` tokens of this request so far."""
+        ...
+
     def release(self) -> None:
         """The request ended (or its client left); idempotent."""
         ...
@@ -72,6 +76,9 @@ class OpenTicket:
     """A ticket that holds nothing (no admission, or admission switched off)."""
 
     def prefilled(self) -> None:
+        return None
+
+    def progress(self, generated: int) -> None:
         return None
 
     def release(self) -> None:

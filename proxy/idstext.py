@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-# ~7 chars per id: 64M chars hold ~9M ids of recent turns.
-DEFAULT_MAX_CHARS = 64 * 1024 * 1024
+# ~7 chars per id: 16M chars hold ~2.4M ids, the latest turns of ~20 sessions at 100K tokens (a bound
+# that a soak of many short sessions fills within its warm-up, so the RSS it measures stays flat).
+DEFAULT_MAX_CHARS = 16 * 1024 * 1024
 
 
 def _join(ids: Sequence[int]) -> str:

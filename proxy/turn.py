@@ -241,6 +241,7 @@ class Turn:
                 new = self._take(batch)
                 if new:
                     self.generated.extend(new)
+                    self.ticket.progress(len(self.generated))
                     deltas = parser.feed(new)
                     if deltas:
                         if first:

@@ -67,19 +67,23 @@ class RoutingState(Protocol):
 
 
 class MemoryState:
-    """In-process placements, LRU-bounded, with the same TTL rule as the Redis state."""
+    """In-process placements, LRU-bounded by count and by the bytes of their block chains (a 100K-token
+    session's chain is 50 KB: a count bound alone let the soak's proxy grow 600 bytes per request), with
+    the same TTL rule as the Redis state."""
 
-    def __init__(self, *, ttl_s: float, max_sessions: int = 65536) -> None:
+    def __init__(self, *, ttl_s: float, max_sessions: int = 4096, max_bytes: int = 32 * 1024 * 1024) -> None:
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
+        self.max_bytes = max_bytes
         self._records: OrderedDict[str, tuple[float, PlacementRecord]] = OrderedDict()
+        self._bytes = 0
 
     async def get(self, session: str) -> PlacementRecord | None:
         item = self._records.get(session)
         if item is None:
             return None
         if item[0] < time.monotonic():
-            del self._records[session]
+            self._drop(session)
             return None
         await self.put(session, item[1])
         return item[1]
@@ -92,10 +96,20 @@ class MemoryState:
         return record
 
     async def put(self, session: str, record: PlacementRecord) -> None:
-        self._records[session] = (time.monotonic() + self.ttl_s, record)
-        self._records.move_to_end(session)
-        while len(self._records) > self.max_sessions:
-            self._records.popitem(last=False)
+        self._drop(session)
+        now = time.monotonic()
+        self._records[session] = (now + self.ttl_s, record)
+        self._bytes += len(record.hashes)
+        # Every use re-inserts at the end with a fresh expiry: the head is the oldest, and the expired.
+        records = self._records
+        while records and (len(records) > self.max_sessions or self._bytes > self.max_bytes
+                           or next(iter(records.values()))[0] < now):
+            self._drop(next(iter(records)))
+
+    def _drop(self, session: str) -> None:
+        item = self._records.pop(session, None)
+        if item is not None:
+            self._bytes -= len(item[1].hashes)
 
     async def publish_load(self, loads: dict[str, EngineLoad]) -> None:
         return None

@@ -29,6 +29,7 @@ class Waiter:
     enqueued: float
     future: asyncio.Future[Any] = field(repr=False)
     seq: int = 0
+    out_tokens: int = 0  # the most it may generate (max_tokens)
 
 
 class AdmissionQueue:

@@ -60,10 +60,16 @@ class SeatTicket:
     materialized: bool = False
     backfilled: bool = field(default=False)
     added: int = 0  # blocks this ticket added to the admitted total when it started (its demand)
+    out_tokens: int = 0  # the most it may generate
+    generated: int = 0  # what the engine has produced so far (0: still prefilling)
 
     def prefilled(self) -> None:
         """The engine produced a token: this prompt's blocks are computed and can be shared."""
         self.scheduler._materialize(self)
+
+    def progress(self, generated: int) -> None:
+        before, self.generated = self.generated, generated
+        self.scheduler._progressed(self, before)
 
     def release(self) -> None:
         if not self.released:
@@ -89,6 +95,7 @@ class Scheduler:
         self._prefix = PrefixIndex()
         self._private = 0  # blocks held by admitted requests outside the shared index
         self._running: dict[str, int] = {}  # session -> admitted requests
+        self._live: set[SeatTicket] = set()  # the admitted tickets (their progress bounds the future)
         self._by_class = [0 for _ in Priority]
         self._interactive_blocks = 0  # what running interactive requests added (their held demand)
         self._admitted_total = 0  # blocks admitted since start: the clock of vLLM's free-queue evictions
@@ -195,7 +202,47 @@ class Scheduler:
             room_seats = max(0, r.seats - self._by_class[Priority.INTERACTIVE])
         if seats is not None and self.running + 1 + room_seats > seats:
             return False
-        return g is None or self.used_blocks + self.need(w) + room_blocks <= g.num_blocks
+        if g is None:
+            return True
+        need = self.need(w)
+        return self.used_blocks + need + room_blocks <= g.num_blocks or self._fits_over_time(w, need, room_blocks)
+
+    def _fits_over_time(self, w: Waiter, need: int, room: int) -> bool:
+        """Whether `w` fits at every future engine step, not only if every request were at its worst
+        case at once. Requests that are generating free their blocks when they end, at the latest after
+        `out_tokens - generated` more steps (each step gives every running request a token), while the
+        output blocks they have not written yet cannot be needed sooner than `1 + spec_tokens` tokens
+        per step. So a request may start while the others are still growing if the sum stays within
+        the pool at each step where one of them ends (usage only grows between those steps), and once
+        all of them ended. Requests still prefilling, and `w` itself, are counted as never ending.
+        Shared prompt blocks and the interactive reserve stay counted throughout."""
+        g = self.geometry
+        if g is None:
+            return True
+        rate, bs, groups = 1 + g.spec_tokens, g.block_size, g.attn_groups
+
+        def unwritten(left: int, step: int) -> int:  # output blocks not yet needed after `step` steps
+            return max(0, left - rate * step) // bs * groups
+
+        fixed = self.used_blocks - self._private + room  # shared prompt blocks, the reserve
+        ending: list[tuple[int, int]] = []  # (blocks, tokens left) of generating tickets
+        staying: list[tuple[int, int]] = [(need, w.out_tokens)]
+        for t in self._live:
+            left = t.out_tokens - t.generated
+            (ending if t.generated > 0 and left > 0 else staying).append((t.private_blocks, left))
+        steps = sorted({0, *(left - 1 for _, left in ending)})
+        for step in steps:
+            use = fixed + sum(b - unwritten(left, step) for b, left in staying)
+            use += sum(b - unwritten(left, step) for b, left in ending if step < left)
+            if use > g.num_blocks:
+                return False
+        return fixed + sum(b for b, _ in staying) <= g.num_blocks  # after every generating one ended
+
+    def _progressed(self, t: SeatTicket, before: int) -> None:
+        """A ticket crossed into a new output block: the future may have room for a waiter now."""
+        g = self.geometry
+        if self.queue and g is not None and t.generated // g.block_size != before // g.block_size:
+            self._pump()
 
     def _admit(self, w: Waiter, how: str) -> SeatTicket:
         hit, held = self._cached(w) if self.geometry is not None else (0, 0)
@@ -209,7 +256,8 @@ class Scheduler:
                 self._prefix.materialize((h,))
         private = need - (hit - held) * cost
         ticket = SeatTicket(self, w.session, w.priority, private, tuple(w.hashes), shared, time.monotonic(),
-                            backfilled=how == "backfill", added=need)
+                            backfilled=how == "backfill", added=need, out_tokens=w.out_tokens)
+        self._live.add(ticket)
         self._private += private
         self._admitted_total += need
         self._running[w.session] = self._running.get(w.session, 0) + 1
@@ -241,6 +289,7 @@ class Scheduler:
         # Its computed blocks stay cached behind the blocks already free (at least pool - admitted worst cases).
         free = self.geometry.num_blocks - self.used_blocks if self.geometry is not None else 0
         self._private -= t.private_blocks
+        self._live.discard(t)
         self._prefix.release(t.shared)
         self._recent.add(t.hashes if t.materialized else t.shared, self._admitted_total + max(0, free))
         if t.priority == Priority.INTERACTIVE:
@@ -320,7 +369,8 @@ class Scheduler:
         if g is not None and g.shares_prefixes:
             hashes = prefix_hashes(footprint.prompt, g.block_size)
         blocks = worst_case_blocks(footprint, g) if g is not None else 0
-        w = Waiter(footprint.session, p, blocks, hashes, time.monotonic(), asyncio.get_running_loop().create_future())
+        w = Waiter(footprint.session, p, blocks, hashes, time.monotonic(), asyncio.get_running_loop().create_future(),
+                   out_tokens=max(0, footprint.max_tokens))
         self.queue.push(w)
         self._pump()
         if w.future.done():

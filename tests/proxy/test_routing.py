@@ -295,3 +295,16 @@ async def test_unreachable_engine_before_any_health_check_moves_the_turn() -> No
             assert r.headers["x-hyperharness-engine"] == f"gpu{1 - i}"
             assert "error" not in r.text
     await servers[1 - i].close()
+
+
+async def test_memory_state_is_bounded_by_the_bytes_of_its_block_chains() -> None:
+    """Placements of sessions that never come back must not grow the proxy (the soak saw +600 bytes per
+    request while the bound was 65,536 sessions of any length)."""
+    state = MemoryState(ttl_s=60, max_sessions=100, max_bytes=10_000)
+    for i in range(50):
+        await state.put(f"s{i}", PlacementRecord("engine-0", 1000, bytes(1000)))
+    assert await state.get("s0") is None and await state.get("s39") is None  # oldest first
+    assert await state.get("s49") is not None and await state.get("s40") is not None
+    for i in range(200):
+        await state.put(f"t{i}", PlacementRecord("engine-0", 10))
+    assert await state.get("t99") is None and await state.get("t199") is not None

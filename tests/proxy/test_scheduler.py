@@ -266,6 +266,67 @@ async def test_backfill_is_bounded() -> None:
     (await late).release()
 
 
+async def test_starts_while_the_others_still_grow_when_their_ends_leave_room() -> None:
+    """Two running requests (13 blocks each at worst) leave 10 of 36 blocks: a third (13) fits only
+    because they end before it has grown; it starts once they are far enough along (48 of 128)."""
+    s = sched(blocks=36, block=16)
+    a, b = [await s.acquire(foot(x, 80, 128)) for x in ("a", "b")]
+    third = asyncio.ensure_future(s.acquire(foot("c", 80, 128)))
+    await settle()
+    assert not third.done()
+    a.prefilled()
+    b.prefilled()
+
+    async def steps(upto: int) -> None:  # the engine gives both a token per step
+        for n in range(a.generated + 1, upto + 1):
+            a.progress(n)
+            b.progress(n)
+        await settle()
+
+    await steps(32)  # at step 95 from now c could hold 11 blocks, a and b 13 each: 37 > 36
+    assert not third.done()
+    await steps(48)  # at step 79: 10 + 13 + 13 = 36
+    assert third.done() and s.used_blocks == 39  # over the pool at worst, never at any one step
+
+
+async def test_admission_over_time_never_overfills_a_stepped_engine() -> None:
+    """A simulated engine (every running request gets a token per step, blocks allocated as tokens
+    are written, a request ends at its max_tokens or earlier): random arrivals never make the blocks
+    in use exceed the pool at any step, while the admitted worst cases do exceed it (so the admission
+    over time was exercised)."""
+    rng = random.Random(7)
+    pool, bs = 48, 16
+    s = sched(blocks=pool, block=bs, seats=8)
+    running: list[tuple[SeatTicket, int, int]] = []  # ticket, prompt tokens, tokens it will generate
+    over_worst = 0
+
+    async def arrive(i: int) -> None:
+        prompt, out = rng.randint(10, 200), rng.randint(1, 300)
+        t = await s.acquire(foot(f"s{i}", prompt, out))
+        assert isinstance(t, SeatTicket)
+        running.append((t, prompt, rng.randint(1, out)))
+
+    arrivals: list[asyncio.Future[None]] = []
+    step = 0
+    while step < 1200 or running or not all(f.done() for f in arrivals):
+        step += 1
+        if step < 1200 and rng.random() < 0.08:
+            arrivals.append(asyncio.ensure_future(arrive(step)))
+        await settle()
+        over_worst = max(over_worst, s.used_blocks - pool)
+        used = sum(-(-(prompt + t.generated) // bs) for t, prompt, _ in running)
+        assert used <= pool or len(running) == 1, (step, used)
+        for t, prompt, ends in list(running):  # one engine step
+            if t.generated == 0:
+                t.prefilled()
+            t.progress(t.generated + 1)
+            if t.generated >= ends:
+                running.remove((t, prompt, ends))
+                t.release()
+    await asyncio.gather(*arrivals)
+    assert over_worst > 0
+
+
 async def test_oversized_request_runs_alone() -> None:
     s = sched(blocks=10, block=10)
     small = await s.acquire(foot("a", 10))
