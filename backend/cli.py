@@ -61,6 +61,8 @@ def serve(
                                     help="engine bind address (beyond loopback: needs --engine-key-file)"),
     engine_key_file: Path = typer.Option(None,
                                          help="the engines' API key file (default: a new key per engine and run)"),
+    client_keys: list[Path] = typer.Option(None, "--client-keys", help="a file of more client keys, one a line "
+                                           "(repeatable; each opens every route like the main key)"),
 ) -> None:
     """Start the engine(s) and the proxy in front of them; a crashed engine is restarted; Ctrl-C stops all.
     --dry-run prints the engine argv, the proxy's runtime config and the pool geometry."""
@@ -71,7 +73,7 @@ def serve(
         p = plan(prof, host=host, port=port, engine_port=engine_port, use_key=not no_key, key_file=key_file,
                  prepare=not dry_run, run_dir=run_dir.resolve(), redis_url=redis_url, engines=engines,
                  upstreams=upstream or (), upstream_key_file=upstream_key_file, engine_only=engine_only,
-                 engine_host=engine_host, engine_key_file=engine_key_file)
+                 engine_host=engine_host, engine_key_file=engine_key_file, client_key_files=client_keys or ())
         if dry_run:
             print_plan(p)
             if not p.geometry.fits:

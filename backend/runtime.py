@@ -65,14 +65,16 @@ def proxy_settings(profile: Profile, geom: geometry.Geometry, *, model_path: Pat
                    engine_key_file: Path | None = None,
                    redis_url: str | None = None, scheduler: SchedulerConfig | None = None,
                    log_level: str = "info",
-                   engines: Sequence[tuple[str, Path | None]] = ()) -> Settings:
+                   engines: Sequence[tuple[str, Path | None]] = (),
+                   client_key_files: Sequence[Path] = ()) -> Settings:
     """`engines`: (URL, key file) of each engine; `engine_url`/`engine_key_file` is short for one."""
     if engine_url is not None:
         engines = ((engine_url, engine_key_file), *engines)
     if not engines:
         raise ValueError("proxy_settings: no engine given")
     return Settings(host=host, port=port, upstreams=upstream_configs(profile, geom, engines), model_dir=model_path,
-                    model_name=profile.model.served_name, api_key_file=api_key_file, redis_url=redis_url,
+                    model_name=profile.model.served_name, api_key_file=api_key_file,
+                    api_key_files=tuple(client_key_files), redis_url=redis_url,
                     scheduler=scheduler or SchedulerConfig(), log_level=log_level)
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from proxy.settings import Settings, read_key
+from proxy.settings import Settings, read_key, read_keys
 
 from . import geometry
 from .keys import default_key_file, load_or_create_key
@@ -175,8 +175,9 @@ def plan(profile: Profile, *, host: str | None, port: int | None, engine_port: i
          use_key: bool, key_file: Path | None, prepare: bool, run_dir: Path = Path(".run"),
          redis_url: str | None = None, engines: int = 1, upstreams: Sequence[str] = (),
          upstream_key_file: Path | None = None, engine_only: bool = False, engine_host: str = "127.0.0.1",
-         engine_key_file: Path | None = None) -> ServePlan:
-    """`engine_only`, `engine_host`, `engine_key_file`: run the engines alone, on `engine_host`, all with
+         engine_key_file: Path | None = None, client_key_files: Sequence[Path] = ()) -> ServePlan:
+    """`client_key_files`: more client keys (one a line), each opening every route like the main key.
+    `engine_only`, `engine_host`, `engine_key_file`: run the engines alone, on `engine_host`, all with
     the key in that file (the proxies of a compose set read the same file); else each engine gets a key
     of its own for this run, known to the proxy only, and binds 127.0.0.1."""
     if engines < 1:
@@ -187,6 +188,13 @@ def plan(profile: Profile, *, host: str | None, port: int | None, engine_port: i
         raise ServeError("an engine bound beyond loopback needs --engine-key-file (its key, shared with the proxies)")
     if upstreams and engines != 1:
         raise ServeError("give --engines N (local engines) or --upstream URL (remote ones), not both")
+    if client_key_files and not use_key:
+        raise ServeError("--client-keys adds keys to the proxy's key; it cannot go with --no-key")
+    for f in client_key_files:
+        try:
+            read_keys(f)  # refused here, with its reason, rather than by the proxy after the engines boot
+        except ValueError as exc:
+            raise ServeError(str(exc)) from None
     model_path = resolve_model(profile, prepare=prepare)
     geom = geometry.compute(profile, model_shape(profile, model_path), device_memory_bytes(profile))
     key, source = load_or_create_key(key_file or default_key_file(), create=prepare) if use_key else (None, None)
@@ -217,7 +225,7 @@ def plan(profile: Profile, *, host: str | None, port: int | None, engine_port: i
     bind = host or profile.proxy.host or ("0.0.0.0" if use_key else "127.0.0.1")
     settings = proxy_settings(
         profile, geom, model_path=model_path, host=bind, port=port or profile.proxy.port, engines=urls,
-        api_key_file=api_key_file, redis_url=redis_url)
+        api_key_file=api_key_file, redis_url=redis_url, client_key_files=[f.resolve() for f in client_key_files])
     return ServePlan(profile, model_path, geom, tuple(local), engine_env(profile, base={}), settings,
                      run_dir / "proxy.json", run_dir, key, source, tuple(written), engine_only)
 

@@ -83,3 +83,24 @@ def test_kv_events_flag_per_engine_socket(tmp_path):
     assert [c["endpoint"] for c in cfgs] == ["tcp://*:5557", "tcp://*:5558"]
     assert [c["replay_endpoint"] for c in cfgs] == ["tcp://*:5600", "tcp://*:5601"]
     assert "--kv-events-config" not in engine_argv(load_profile("cpu-smol"), tmp_path, 8100)
+
+
+def test_client_key_files_reach_the_proxy_and_a_bad_one_is_refused_before_boot(tmp_path, monkeypatch):
+    team = tmp_path / "team.keys"
+    team.write_text("# the team\nk-alice\n\nk-bob\n")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setenv("HYPERHARNESS_API_KEY", "k-main")
+    p = plan(load_profile("cpu-smol"), host=None, port=None, engine_port=9100, use_key=True, key_file=None,
+             prepare=False, run_dir=tmp_path, client_key_files=[team])
+    for path, key in p.written_keys:  # what `run` writes before it starts anything
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(key + "\n")
+    p.proxy.dump(tmp_path / "proxy.json")
+    loaded = Settings.load(tmp_path / "proxy.json")
+    assert set(loaded.keys) == {"k-main", "k-alice", "k-bob"}
+    (tmp_path / "empty.keys").write_text("# nobody\n")
+    with pytest.raises(ServeError, match="holds no key"):
+        plan(load_profile("cpu-smol"), host=None, port=None, engine_port=9100, use_key=True, key_file=None,
+             prepare=False, run_dir=tmp_path, client_key_files=[tmp_path / "empty.keys"])
+    with pytest.raises(ServeError, match="--no-key"):
+        _plan(tmp_path, monkeypatch, client_key_files=[team])
