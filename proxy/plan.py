@@ -10,10 +10,12 @@ prefill again.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from array import array
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from proxy.constraints import json_tool_outputs
 from proxy.errors import InvalidRequest
@@ -29,6 +31,37 @@ from proxy.transcripts import Match, MessageKeys, Snapshot, common_prefix_len, c
 from proxy.upstream import Upstream
 
 log = logging.getLogger("proxy.plan")
+T = TypeVar("T")
+
+# A render with more new text than this runs in a worker thread (the tokenizers release the GIL while
+# they encode): tokenizing 1 MB takes ~1.3 s with SmolLM2's tokenizer, which on the event loop would
+# stall every other stream for as long. Smaller ones stay on the loop, where a thread hop would cost
+# more than the render.
+OFF_LOOP_CHARS = 256 * 1024
+
+
+def new_text_chars(messages: list[dict[str, Any]]) -> int:
+    """About how much text rendering `messages` tokenizes (string contents, text parts, reasoning and
+    tool-call arguments); a bound for choosing where to render, not a count of anything exact."""
+    n = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        for key in ("reasoning_content", "reasoning"):
+            if isinstance(m.get(key), str):
+                n += len(m[key])
+        for call in m.get("tool_calls") or ():
+            args = (call.get("function") or {}).get("arguments") if isinstance(call, dict) else None
+            n += len(args) if isinstance(args, str) else 0
+    return n
+
+
+async def _run(big: bool, fn: partial[T]) -> T:
+    return await asyncio.to_thread(fn) if big else fn()
+
 
 
 @dataclass(slots=True)
@@ -84,12 +117,14 @@ class Planner:
         divergence: Divergence | None = None
         try:
             if found.snapshot is not None and spliced:
-                prompt, text, ends = self._splice(found, chat, req.thinking)
+                prompt, text, ends = await self._splice(found, chat, req.thinking)
                 parent: Snapshot | None = found.snapshot
                 self.metrics.transcript_lookups.labels("hit").inc()
                 self.metrics.spliced_tokens.inc(len(found.snapshot.ids))
             else:
-                rendered = self.fmt.render(chat.messages, chat.tools, enable_thinking=req.thinking, **kwargs)
+                big = new_text_chars(chat.messages) > OFF_LOOP_CHARS
+                rendered = await _run(big, partial(self.fmt.render, chat.messages, chat.tools,
+                                                   enable_thinking=req.thinking, **kwargs))
                 prompt, text, ends = array("I", rendered.ids), "", _message_ends(rendered, len(chat.messages))
                 parent = None
                 divergence = self._account_fresh(req, found, prompt)
@@ -113,13 +148,14 @@ class Planner:
             return outputs, False
         return json_tool_outputs(chat.tools, choice, parallel=chat.parallel_tool_calls), True
 
-    def _splice(self, found: Match, chat: NormalizedChat, thinking: bool) -> tuple[array[int], str, list[int]]:
+    async def _splice(self, found: Match, chat: NormalizedChat, thinking: bool) -> tuple[array[int], str, list[int]]:
         snap = found.snapshot
         if snap is None:
             raise RuntimeError("splice without a snapshot")  # a caller's bug, never a client's
         after_stop = len(snap.ids) > 0 and snap.ids[-1] in self.fmt.stop_token_ids
         new = chat.messages[found.new_from :]
-        cont = self.fmt.render_continuation(new, chat.tools, enable_thinking=thinking, after_stop=after_stop)
+        cont = await _run(new_text_chars(new) > OFF_LOOP_CHARS, partial(
+            self.fmt.render_continuation, new, chat.tools, enable_thinking=thinking, after_stop=after_stop))
         prompt = array("I", snap.ids)
         prompt.extend(cont)
         text = self.ids_text.extend(snap.snapshot_id, snap.ids, cont)

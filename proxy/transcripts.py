@@ -91,9 +91,13 @@ class MessageKeys:
     harnesses send); anything else is keyed directly.
     """
 
-    def __init__(self, max_entries: int = 65536) -> None:
+    def __init__(self, max_entries: int = 65536, max_chars: int = 16 * 1024 * 1024) -> None:
+        # Bounded by the characters its keys hold too: the keys are the messages' own strings, and
+        # 65,536 tool results of 50 KB would otherwise keep 3 GB alive.
         self.max_entries = max_entries
+        self.max_chars = max_chars
         self._cache: OrderedDict[tuple[Any, ...], str] = OrderedDict()
+        self._chars = 0
 
     def __call__(self, message: dict[str, Any]) -> str:
         return self.keys((message,))[0]
@@ -115,10 +119,19 @@ class MessageKeys:
             key = cache.get(raw)
             if key is None:
                 key = cache[raw] = message_key(m)
-                if len(cache) > self.max_entries:
-                    cache.popitem(last=False)
+                self._chars += _raw_chars(raw)
+                while len(cache) > self.max_entries or self._chars > self.max_chars:
+                    self._chars -= _raw_chars(cache.popitem(last=False)[0])
             out.append(key)
         return out
+
+
+def _raw_chars(raw: tuple[Any, ...]) -> int:
+    """The characters of a cache key's strings (content, and tool-call arguments when present)."""
+    n = len(raw[1] or "")
+    if len(raw) == 5:
+        n += sum(len(args or "") for _, args in raw[4])
+    return n
 
 
 def _raw_fields(message: dict[str, Any]) -> tuple[Any, ...] | None:

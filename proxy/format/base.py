@@ -51,7 +51,7 @@ class Rendered:
 
 
 def assemble(
-    ids_of: Callable[[str], list[int]],
+    ids_of: Callable[[str], Sequence[int]],
     chunks: Sequence[tuple[int | None, str]],
     generation: str | None,
 ) -> Rendered:

@@ -7,7 +7,7 @@ from array import array
 
 import pytest
 
-from proxy.transcripts import Snapshot, common_prefix_len, context_key, match, message_key
+from proxy.transcripts import MessageKeys, Snapshot, common_prefix_len, context_key, match, message_key
 
 pytestmark = pytest.mark.unit
 
@@ -118,3 +118,16 @@ def test_message_keys_cache_agrees() -> None:
     assert keys.keys(msgs) == [message_key(m) for m in msgs]
     assert keys.keys(msgs) == [message_key(m) for m in msgs]  # again, through the (evicting) cache
     assert keys(msgs[4]) == keys(USER)  # list content is keyed directly, same identity
+
+
+def test_message_keys_cache_is_bounded_by_the_characters_it_holds() -> None:
+    """Its keys are the messages' strings: large tool results must not stay alive by the thousand."""
+    keys = MessageKeys(max_chars=10_000)
+    big = [{"role": "tool", "tool_call_id": f"c{i}", "content": f"{i:05d}" + "x" * 995} for i in range(50)]
+    assert keys.keys(big) == [message_key(m) for m in big]
+    assert keys._chars <= 10_000 and len(keys._cache) == 10
+    calls = [{"role": "assistant", "content": None,
+              "tool_calls": [{"id": f"t{i}", "type": "function", "function": {"name": "f", "arguments": "y" * 3000}}]}
+             for i in range(5)]
+    assert keys.keys(calls) == [message_key(m) for m in calls]
+    assert keys._chars <= 10_000 and len(keys._cache) < 10
