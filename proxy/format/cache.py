@@ -27,9 +27,11 @@ class ChunkCache:
     """
 
     # Short chunks are cached too: a fast tokenizer's encode call costs 20-50 µs however short the
-    # text (the generation prompt, a one-line user turn), a hit ~0.2 µs; the entry bound keeps many
-    # tiny chunks from growing the map without limit.
-    MAX_ENTRIES = 200_000
+    # text (the generation prompt, a one-line user turn), a hit ~0.2 µs. The entry bound is what the
+    # sessions worth keeping hold (8,192 messages: 20-40 long agent histories, more than the store's
+    # 256 transcripts draw on); at 200,000 a stream of new sessions grew the proxy ~700 bytes a session
+    # for hours before the bound was reached (the soak's 19,000 sessions in 10 minutes: +13 MB).
+    MAX_ENTRIES = 8192
 
     def __init__(self, encode: Callable[[str], list[int]], max_tokens: int = 4_000_000) -> None:
         if max_tokens <= 0:
