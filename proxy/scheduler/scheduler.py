@@ -11,6 +11,9 @@ Policy:
   hold now, so the main agent starts promptly during a subagent burst without idling a fixed share;
 - footprints count the prompt blocks the engine will find cached once (footprint.py): those of
   running requests that produced a token, and those of requests that just ended;
+- a request that does not fit the pool with every admitted request at its worst case at once may still
+  start if it fits at every future step: generating requests end within their tokens left and cannot
+  write their output faster than 1 + spec_tokens a step (`_fits_over_time`; tickets report progress);
 - a request bigger than its class's share starts alone, when nothing else of ours runs;
 - backfill: while the head cannot fit, a *short* request behind it (small against the pool or against
   the head) that fits the gap may start (background work only while no interactive request runs),
