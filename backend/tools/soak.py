@@ -27,6 +27,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -329,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-s", type=float, default=30.0)
     ap.add_argument("--json", type=Path, help="also write the verdict and every sample here")
     a = ap.parse_args(argv)
+    # SIGTERM (a stopped `make soak`, a CI timeout) ends the run through `run`'s cleanup, so the engine
+    # and proxy it started do not outlive it (the default action left the proxy running).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     v = run(a)
     print(f"requests {v.requests}, errors {v.errors}; RSS {v.rss_start_mib:.1f} -> {v.rss_end_mib:.1f} MiB "
           f"({v.rss_drift:+.1%}); at rest before {v.quiet_before}, after {v.quiet_after}")
