@@ -26,10 +26,8 @@ class StreamedResponse(Response):
         self.chunks = body
         self.background = None
         self.status_code = status_code
-        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
-        if media_type is not None and not any(k == b"content-type" for k, _ in raw):
-            raw.append((b"content-type", media_type.encode("latin-1")))
-        self.raw_headers = raw
+        self.media_type = media_type
+        self.init_headers(headers)  # Starlette's own header rules (no length; text/* gets its charset)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
