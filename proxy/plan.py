@@ -59,8 +59,9 @@ def new_text_chars(messages: list[dict[str, Any]]) -> int:
     return n
 
 
-async def _run(big: bool, fn: partial[T]) -> T:
-    return await asyncio.to_thread(fn) if big else fn()
+async def _render(messages: list[dict[str, Any]], fn: partial[T]) -> T:
+    """`fn()` (a render of `messages`) on a worker thread when their text is big, else here."""
+    return await asyncio.to_thread(fn) if new_text_chars(messages) > OFF_LOOP_CHARS else fn()
 
 
 
@@ -122,9 +123,8 @@ class Planner:
                 self.metrics.transcript_lookups.labels("hit").inc()
                 self.metrics.spliced_tokens.inc(len(found.snapshot.ids))
             else:
-                big = new_text_chars(chat.messages) > OFF_LOOP_CHARS
-                rendered = await _run(big, partial(self.fmt.render, chat.messages, chat.tools,
-                                                   enable_thinking=req.thinking, **kwargs))
+                rendered = await _render(chat.messages, partial(self.fmt.render, chat.messages, chat.tools,
+                                                                enable_thinking=req.thinking, **kwargs))
                 prompt, text, ends = array("I", rendered.ids), "", _message_ends(rendered, len(chat.messages))
                 parent = None
                 divergence = self._account_fresh(req, found, prompt)
@@ -154,7 +154,7 @@ class Planner:
             raise RuntimeError("splice without a snapshot")  # a caller's bug, never a client's
         after_stop = len(snap.ids) > 0 and snap.ids[-1] in self.fmt.stop_token_ids
         new = chat.messages[found.new_from :]
-        cont = await _run(new_text_chars(new) > OFF_LOOP_CHARS, partial(
+        cont = await _render(new, partial(
             self.fmt.render_continuation, new, chat.tools, enable_thinking=thinking, after_stop=after_stop))
         prompt = array("I", snap.ids)
         prompt.extend(cont)
