@@ -67,7 +67,12 @@ def collect(base_url: str, model: str, prompts: list[dict], *, max_tokens: int, 
 
     def one(client: httpx.Client, p: dict) -> Output:
         body = {"model": model, "messages": p["messages"], "max_tokens": max_tokens, "return_token_ids": True}
-        r = client.post(url, json=body, headers=headers)
+        try:
+            r = client.post(url, json=body, headers=headers)
+        except httpx.RemoteProtocolError:
+            # the server closed a pooled connection as the request went out (nothing was generated
+            # for it): once more on a fresh connection
+            r = client.post(url, json=body, headers=headers)
         if r.status_code != 200:
             raise RuntimeError(f"{url}: {r.status_code} for prompt {p['id']}: {r.text[:300]}")
         ids = r.json()["choices"][0].get("token_ids")
@@ -77,7 +82,10 @@ def collect(base_url: str, model: str, prompts: list[dict], *, max_tokens: int, 
             progress(1)
         return Output(p["id"], tuple(int(i) for i in ids))
 
-    with httpx.Client(timeout=timeout) as client, ThreadPoolExecutor(concurrency) as pool:
+    # keepalive_expiry below vLLM's (uvicorn's) 5 s keep-alive: we drop an idle connection before the
+    # engine does, so a request is never written into a connection the engine is closing
+    limits = httpx.Limits(max_connections=concurrency, keepalive_expiry=3.0)
+    with httpx.Client(timeout=timeout, limits=limits) as client, ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(lambda p: one(client, p), prompts))
 
 
