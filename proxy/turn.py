@@ -61,7 +61,8 @@ class TurnService:
         """Plan the turn and place it on an engine (once per turn; the route names the engine in its
         response headers before the turn may wait for admission)."""
         plan = await self.plan(req)
-        placement = await self.router.place(req, plan.prompt) if self.router is not None else None
+        placement = (await self.router.place(req, plan.prompt, plan.max_tokens)
+                     if self.router is not None else None)
         return plan, placement
 
     async def open(self, req: TurnRequest, prepared: tuple[Plan, Placement | None] | None = None, *,
@@ -72,6 +73,8 @@ class TurnService:
         foot = Footprint(session=req.session.key, prompt_tokens=len(plan.prompt), max_tokens=plan.max_tokens,
                          reused_tokens=len(plan.parent.ids) if plan.parent else 0, priority=req.priority,
                          prompt=plan.prompt)
+        if placement is not None:
+            placement.placed()
         ticket = await admission.acquire(foot)
         try:
             stream = await upstream.open_events("/v1/completions", await self._payload(plan, upstream))
@@ -82,7 +85,7 @@ class TurnService:
                 raise
             # Nothing reached that engine (another replica saw it die first): place the turn once more;
             # the router checks the failed engine now and moves the session if it is down.
-            again = await self.router.place(req, plan.prompt)
+            again = await self.router.place(req, plan.prompt, plan.max_tokens)
             if again.engine is placement.engine:
                 raise
             return await self.open(req, (plan, again), replaced=True)

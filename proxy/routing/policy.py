@@ -6,7 +6,8 @@ Ours, in order:
   moved         ...unless that engine is down or draining, or its admission queue has made a request
                 wait past `move_after_wait_s` while another live engine has room: then it goes where a new
                 session would, and the tokens the old engine held (exact prefix overlap) are re-prefilled;
-  parent        a subagent goes to its parent's engine while that engine has a free seat;
+  parent        a subagent goes to its parent's engine while that engine has a free seat and stays
+                within the load bound below;
   least_loaded  ...else to the live engine with the smallest pool footprint (per weight);
   hash          a new session goes by weighted rendezvous hashing on its session key,
   spill         ...unless that engine's load would exceed `load_factor` x the average (bounded-load
@@ -38,6 +39,11 @@ class Placement:
     reprefill_tokens: int = 0  # tokens the previous engine held that the new one must prefill again
     moved_from: str | None = None  # the previous engine when the session changed engines
     hashes: bytes = b""  # the prompt's block chain (the router extends it with the reply)
+    placing: int = 0  # its entry in the engine's `Placing` until it asks for admission
+
+    def placed(self) -> None:
+        """The turn asks its engine's admission now: from here the scheduler counts it."""
+        self.engine.placing.done(self.placing)
 
 
 class PlacementPolicy(Protocol):
@@ -78,15 +84,20 @@ def least_loaded(engines: Sequence[Engine], loads: dict[str, EngineLoad], key: s
     return min(engines, key=lambda e: (loads[e.name].footprint / e.weight, order[e.name]))
 
 
+def within_bound(engine: Engine, engines: Sequence[Engine], loads: dict[str, EngineLoad], factor: float) -> bool:
+    """Whether one more request keeps `engine` within `factor` x its weighted share of all the requests
+    admitted, queued or just placed (this one included): the bound of bounded-load consistent hashing."""
+    total = sum(loads[e.name].running + loads[e.name].queued for e in engines) + 1
+    share = engine.weight / sum(e.weight for e in engines)
+    mine = loads[engine.name].running + loads[engine.name].queued + 1
+    return mine <= max(1.0, factor * total * share)
+
+
 def bounded_hash(key: str, engines: Sequence[Engine], loads: dict[str, EngineLoad],
                  factor: float) -> tuple[Engine, str]:
-    """Bounded-load consistent hashing: the key's engine unless its load (requests admitted or queued,
-    this one included) would pass `factor` x its weighted share of the total; then spill."""
+    """Bounded-load consistent hashing: the key's engine unless it would pass the bound; then spill."""
     first = rendezvous(key, engines)[0]
-    total = sum(loads[e.name].running + loads[e.name].queued for e in engines) + 1
-    share = first.weight / sum(e.weight for e in engines)
-    mine = loads[first.name].running + loads[first.name].queued + 1
-    if mine <= max(1.0, factor * total * share):
+    if within_bound(first, engines, loads, factor):
         return first, "hash"
     return least_loaded(engines, loads, key), "spill"
 
@@ -138,7 +149,10 @@ class AffinityPolicy(_RecordingPolicy):
             return engine, "moved"
         if req.parent is not None:
             parent = await self._parent_engine(req.parent)
-            if parent is not None and parent.live and _has_seat(loads[parent.name]):
+            # with its parent while that engine has a seat and stays within the load bound: a fan-out
+            # of several children does not pile onto one engine while another idles
+            if (parent is not None and parent.live and _has_seat(loads[parent.name])
+                    and within_bound(parent, live, loads, fleet.config.load_factor)):
                 return parent, "parent"
             if parent is not None:
                 return least_loaded(live, loads, key), "least_loaded"

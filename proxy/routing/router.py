@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -64,7 +65,7 @@ class Router:
         for e in self.engines:
             self.metrics.engine_up.labels(e.name).set(1 if e.live else 0)
 
-    async def place(self, req: TurnRequest, prompt: Sequence[int]) -> Placement:
+    async def place(self, req: TurnRequest, prompt: Sequence[int], max_tokens: int = 0) -> Placement:
         # An engine that just broke a turn is checked now, not at the next period.
         for e in self.engines:
             if e.failures and e.live:
@@ -74,6 +75,8 @@ class Router:
         except StateUnavailable as exc:  # Redis down: place by the session's hash alone until it is back
             log.warning("%s; placing by session hash", exc)
             p = Placement(rendezvous(req.session.key, self.fleet.live())[0], "hash")
+        # counted on its engine until it asks for admission (`Turn.open` calls `placed()`)
+        p = replace(p, placing=p.engine.placing.add(p.engine.worst_case_blocks(len(prompt), max_tokens)))
         m = self.metrics
         m.placements.labels(p.engine.name, p.reason).inc()
         if p.moved_from is not None:

@@ -21,7 +21,7 @@ from proxy.app import create_app
 from proxy.ingress import Ingress, TurnRequest
 from proxy.quirks import QuirkLog
 from proxy.routing import Engine, EngineLoad, Health, MemoryState, PlacementRecord, RedisState, Router
-from proxy.routing.policy import rendezvous
+from proxy.routing.policy import Placement, rendezvous
 from proxy.routing.prefix import block_hashes, overlap_blocks
 from proxy.scheduler import PoolGeometry, Scheduler
 from proxy.settings import EngineGeometry, RoutingConfig, SchedulerConfig, Settings, UpstreamConfig
@@ -73,6 +73,14 @@ async def hold(engine: Engine, n: int, priority: Priority = Priority.INTERACTIVE
     return [await engine.scheduler.acquire(Footprint(f"load{i}", 32, 32, 0, priority)) for i in range(n)]
 
 
+async def place(router: Router, req: TurnRequest, prompt: list[int]) -> Placement:
+    """A placement whose turn asks for admission at once (as `Turn.open` does): from then on the
+    engine's scheduler, not its `Placing`, counts it."""
+    p = await router.place(req, prompt)
+    p.placed()
+    return p
+
+
 def value(router: Router, name: str, **labels: str) -> float:
     for metric in (router.metrics.placements, router.metrics.moves, router.metrics.reprefill,
                    router.metrics.engine_up):
@@ -101,16 +109,16 @@ async def test_prefix_overlap_is_exact_in_blocks() -> None:
 async def test_new_session_hashes_then_sticks_and_spills_past_the_bound() -> None:
     engines = await fleet()
     router = Router(engines, state=MemoryState(ttl_s=60), config=CFG)
-    first = await router.place(turn("s1"), list(range(40)))
+    first = await place(router, turn("s1"), list(range(40)))
     assert first.reason == "hash"
-    again = await router.place(turn("s1"), list(range(90)))
+    again = await place(router, turn("s1"), list(range(90)))
     assert (again.engine, again.reason, again.reprefill_tokens) == (first.engine, "sticky", 0)
     # a new session whose hash engine would carry more than 1.25x the average load spills to the least loaded
     target = rendezvous(turn("new").session.key, engines)[0]
     await hold(target, 2)
-    spilled = await router.place(turn("new"), [1, 2])
+    spilled = await place(router, turn("new"), [1, 2])
     assert spilled.reason == "spill" and spilled.engine is not target
-    placed = [await router.place(turn(f"n{i}"), [i]) for i in range(8)]
+    placed = [await place(router, turn(f"n{i}"), [i]) for i in range(8)]
     assert not any(p.engine is target for p in placed)  # 3 on it vs 0 + 1 elsewhere: over the bound
     await close(engines)
 
@@ -118,12 +126,30 @@ async def test_new_session_hashes_then_sticks_and_spills_past_the_bound() -> Non
 async def test_subagent_goes_with_its_parent_while_it_has_a_seat() -> None:
     engines = await fleet(seats=2)
     router = Router(engines, state=MemoryState(ttl_s=60), config=CFG)
-    home = (await router.place(turn("parent"), list(range(64)))).engine
-    child = await router.place(turn("child-1", parent="parent"), list(range(20)))
+    home = (await place(router, turn("parent"), list(range(64)))).engine
+    child = await place(router, turn("child-1", parent="parent"), list(range(20)))
     assert (child.engine, child.reason) == (home, "parent")
     await hold(home, 2)  # both seats taken: the next subagent goes where it fits
-    late = await router.place(turn("child-2", parent="parent"), list(range(20)))
+    late = await place(router, turn("child-2", parent="parent"), list(range(20)))
     assert late.reason == "least_loaded" and late.engine is not home
+    await close(engines)
+
+
+async def test_a_burst_placed_in_one_instant_spreads_before_any_admission() -> None:
+    """Three children and three new sessions placed before any of them reached admission (a fan-out
+    arriving at once): each placement counts on its engine, so they do not all read the same idle fleet."""
+    engines = await fleet(seats=8)
+    router = Router(engines, state=MemoryState(ttl_s=60), config=CFG)
+    parent = await place(router, turn("parent"), list(range(64)))
+    burst = [await router.place(turn(f"kid{i}", parent="parent"), list(range(20))) for i in range(3)]
+    burst += [await router.place(turn(f"new{i}"), [i]) for i in range(3)]
+    on = [sum(p.engine is e for p in burst) for e in engines]
+    assert on == [3, 3], on
+    assert engines[0].local_load().queued + engines[1].local_load().queued == 6
+    for p in burst:
+        p.placed()
+    assert engines[0].local_load().queued + engines[1].local_load().queued == 0
+    assert parent.engine in {p.engine for p in burst if p.reason == "parent"}
     await close(engines)
 
 
@@ -131,12 +157,12 @@ async def test_move_only_when_drained_or_saturated_counted_with_reprefill(caplog
     engines = await fleet()
     router = Router(engines, state=MemoryState(ttl_s=60), config=CFG)
     prompt = list(range(100))
-    p1 = await router.place(turn("s"), prompt)
+    p1 = await place(router, turn("s"), prompt)
     await router.sent(turn("s").session.key, p1, prompt + [500 + i for i in range(30)])  # prompt + reply held
     old = p1.engine
     old.health = Health.DRAINING
     caplog.set_level(logging.INFO, "proxy.routing")
-    moved = await router.place(turn("s"), prompt + [500 + i for i in range(30)] + [9] * 20)
+    moved = await place(router, turn("s"), prompt + [500 + i for i in range(30)] + [9] * 20)
     assert moved.reason == "moved" and moved.engine is not old
     assert moved.reprefill_tokens == 130 // 16 * 16  # exactly what the old engine held, in blocks
     assert value(router, "hh_session_moves_total", from_engine=old.name, to_engine=moved.engine.name) == 1
@@ -146,14 +172,14 @@ async def test_move_only_when_drained_or_saturated_counted_with_reprefill(caplog
                         rf"reprefill={moved.reprefill_tokens}", line), line
     # saturated: its queue made a request wait past the bound while the other engine has room
     old.health = Health.UP
-    back = await router.place(turn("s"), [1])
+    back = await place(router, turn("s"), [1])
     assert back.reason == "sticky"
     sat = back.engine
     await hold(sat, 2)
     assert sat.scheduler is not None
     waiting = asyncio.create_task(sat.scheduler.acquire(Footprint("w", 32, 32, 0)))
     await asyncio.sleep(0.1)
-    away = await router.place(turn("s"), [1])
+    away = await place(router, turn("s"), [1])
     assert away.reason == "moved" and away.engine is not sat
     waiting.cancel()
     await close(engines)
@@ -170,19 +196,19 @@ async def test_health_drains_a_failing_engine_and_a_recovered_one_takes_new_sess
     assert sick.health is Health.UP  # one failure is not yet a drain
     await router.check(sick)
     assert sick.health is Health.DRAINING and value(router, "hh_engine_up", engine=sick.name) == 0
-    placed = [await router.place(turn(f"d{i}"), [i]) for i in range(10)]
+    placed = [await place(router, turn(f"d{i}"), [i]) for i in range(10)]
     assert all(p.engine is engines[1] for p in placed)
     health.ok = True
     await router.check(sick)
     assert sick.live and value(router, "hh_engine_up", engine=sick.name) == 1
-    placed = [await router.place(turn(f"r{i}"), [i]) for i in range(10)]
+    placed = [await place(router, turn(f"r{i}"), [i]) for i in range(10)]
     assert any(p.engine is sick for p in placed)
     # a turn that broke on its engine: the next placement checks it at once instead of sticking to it
-    home = (await router.place(turn("r0"), [0])).engine
+    home = (await place(router, turn("r0"), [0])).engine
     health.ok = home is not sick
     if home is sick:
         router.failed(sick)
-        nxt = await router.place(turn("r0"), [0])
+        nxt = await place(router, turn("r0"), [0])
         assert nxt.reason == "moved" and nxt.engine is not sick
     assert health.server is not None
     await health.server.close()
@@ -258,7 +284,7 @@ async def test_one_engine_still_places_and_logs(caplog: pytest.LogCaptureFixture
     engines = await fleet(n=1)
     router = Router(engines, state=MemoryState(ttl_s=60), config=CFG)
     caplog.set_level(logging.INFO, "proxy.routing")
-    reasons = [(await router.place(turn(s, parent=p), list(range(300)))).reason
+    reasons = [(await place(router, turn(s, parent=p), list(range(300)))).reason
                for s, p in (("main", None), ("main", None), ("kid", "main"))]
     assert reasons == ["hash", "sticky", "parent"]
     assert [r.getMessage().split()[4] for r in caplog.records] == ["reason=hash", "reason=sticky", "reason=parent"]
@@ -269,7 +295,7 @@ async def test_redis_down_places_by_hash_instead_of_failing() -> None:
     engines = await fleet()
     state = RedisState.from_url(f"redis://127.0.0.1:{free_port()}/0", ttl_s=30)  # nothing listens there
     router = Router(engines, state=state, config=CFG)
-    p = await router.place(turn("lost"), list(range(40)))
+    p = await place(router, turn("lost"), list(range(40)))
     assert p.reason == "hash" and p.engine is rendezvous(turn("lost").session.key, engines)[0]
     await router.sent(turn("lost").session.key, p, list(range(50)))  # a finished turn is not failed for it
     await state.close()
