@@ -6,8 +6,8 @@ Ours, in order:
   moved         ...unless that engine is down or draining, or its admission queue has made a request
                 wait past `move_after_wait_s` while another live engine has room: then it goes where a new
                 session would, and the tokens the old engine held (exact prefix overlap) are re-prefilled;
-  parent        a subagent goes to its parent's engine while that engine has a free seat and stays
-                within the load bound below;
+  parent        a subagent goes to its parent's engine while that engine has a free seat and is no
+                busier (requests per weight) than the least busy live engine;
   least_loaded  ...else to the live engine with the smallest pool footprint (per weight);
   hash          a new session goes by weighted rendezvous hashing on its session key,
   spill         ...unless that engine's load would exceed `load_factor` x the average (bounded-load
@@ -149,10 +149,12 @@ class AffinityPolicy(_RecordingPolicy):
             return engine, "moved"
         if req.parent is not None:
             parent = await self._parent_engine(req.parent)
-            # with its parent while that engine has a seat and stays within the load bound: a fan-out
-            # of several children does not pile onto one engine while another idles
+            # with its parent while that engine has a seat and carries no more requests than the least
+            # busy one: a fan-out spreads over the fleet instead of piling onto its parent's engine
+            # (measured with `bench route`: children kept within the 1.25x bound made the P90 TTFT
+            # 17.5 s against 12.2 s for least-loaded placement of every turn)
             if (parent is not None and parent.live and _has_seat(loads[parent.name])
-                    and within_bound(parent, live, loads, fleet.config.load_factor)):
+                    and _requests(parent, loads) <= min(_requests(e, loads) for e in live)):
                 return parent, "parent"
             if parent is not None:
                 return least_loaded(live, loads, key), "least_loaded"
@@ -172,6 +174,10 @@ class AffinityPolicy(_RecordingPolicy):
             if rec is not None:
                 return self.fleet.by_name.get(rec.engine)
         return None
+
+
+def _requests(e: Engine, loads: dict[str, EngineLoad]) -> float:
+    return (loads[e.name].running + loads[e.name].queued) / e.weight
 
 
 def _has_seat(load: EngineLoad) -> bool:
