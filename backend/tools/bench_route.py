@@ -249,6 +249,16 @@ def format_reports(reports: list[PolicyReport], single: PolicyReport, trace: Tra
         lines.append(f"{r.policy:<14}{r.hit_ratio:>10.1%}{share:>12.1%}{r.lost_per_turn:>16.0f}"
                      f"{_pct(ttfts, 0.5) * 1000:>8.0f}ms{_pct(ttfts, 0.9) * 1000:>8.0f}ms{toks:>8.1f}"
                      f"{r.moves:>7.0f}{sum(1 for t in r.turns if t.error):>7}")
+    ours = next((r for r in reports if r.policy == "affinity"), None)
+    if ours is not None and single.hit_ratio:
+        p90 = {r.policy: _pct([t.ttft for t in r.turns if t.ttft is not None], 0.9) for r in reports}
+        share = ours.hit_ratio / single.hit_ratio
+        others = {k: v for k, v in p90.items() if k != "affinity"}
+        lines.append("goals (issue 24):")
+        lines.append(f"  {'PASS' if share >= 0.95 else 'FAIL'}  hit ratio >= 95% of one engine: {share:.1%}")
+        best = min(others.values(), default=float("inf"))
+        lines.append(f"  {'PASS' if p90['affinity'] < best else 'FAIL'}  P90 TTFT better than every other policy: "
+                     f"{p90['affinity'] * 1000:.0f} ms vs best other {best * 1000:.0f} ms")
     return "\n".join(lines)
 
 
