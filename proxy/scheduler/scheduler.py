@@ -14,8 +14,6 @@ Policy:
 - a request that does not fit the pool with every admitted request at its worst case at once may still
   start if it fits at every future step: generating requests end within their tokens left and cannot
   write their output faster than 1 + spec_tokens a step (`_fits_over_time`; tickets report progress);
-- no subagent or background request starts while an interactive one is prefilling: its prefill chunk
-  would share the engine step that the main agent's first token waits on;
 - a request bigger than its class's share starts alone, when nothing else of ours runs;
 - backfill: while the head cannot fit, a *short* request behind it (small against the pool or against
   the head) that fits the gap may start (background work only while no interactive request runs),
@@ -70,9 +68,7 @@ class SeatTicket:
 
     def prefilled(self) -> None:
         """The engine produced a token: this prompt's blocks are computed and stay cached after it ends."""
-        if not self.computed:
-            self.computed = True
-            self.scheduler._prefilled(self)
+        self.computed = True
 
     def progress(self, generated: int) -> None:
         before, self.generated = self.generated, generated
@@ -105,7 +101,6 @@ class Scheduler:
         self._live: set[SeatTicket] = set()  # the admitted tickets (their progress bounds the future)
         self._by_class = [0 for _ in Priority]
         self._interactive_blocks = 0  # what running interactive requests added (their held demand)
-        self._interactive_prefilling = 0  # interactive requests admitted that have not produced a token
         self._admitted_total = 0  # blocks admitted since start: the clock of vLLM's free-queue evictions
         cfg = self.config
         self.reserve = DemandReserve(cfg.reserve_fraction, cfg.reserve_seats, cfg.reserve_window_s,
@@ -205,8 +200,6 @@ class Scheduler:
         g, seats = self.geometry, self.engine.seats
         room_blocks = room_seats = 0
         if w.priority != Priority.INTERACTIVE:  # keep the main agent's headroom beyond what it holds now
-            if self._interactive_prefilling:
-                return False  # a subagent's prefill would share the engine step the main agent's first token waits on
             r = self._reserve()
             room_blocks = max(0, r.blocks - self._interactive_blocks)
             room_seats = max(0, r.seats - self._by_class[Priority.INTERACTIVE])
@@ -248,11 +241,6 @@ class Scheduler:
                 return False
         return fixed + sum(b for b, _ in staying) <= g.num_blocks  # after every generating one ended
 
-    def _prefilled(self, t: SeatTicket) -> None:
-        if t.priority == Priority.INTERACTIVE and not t.released:
-            self._interactive_prefilling -= 1
-            self._pump()
-
     def _progressed(self, t: SeatTicket, before: int) -> None:
         """A ticket crossed into a new output block: the future may have room for a waiter now."""
         g = self.geometry
@@ -276,7 +264,6 @@ class Scheduler:
         if w.priority == Priority.INTERACTIVE:
             # Demand: the blocks beyond the prompt prefix the engine caches (reserve.py).
             self._interactive_blocks += need
-            self._interactive_prefilling += 1
             self.reserve.observe(need - (hit - held) * cost, self._by_class[Priority.INTERACTIVE])
         m = self.metrics
         m.admitted[w.priority, how].inc()
@@ -293,7 +280,6 @@ class Scheduler:
         self._recent.add(t.hashes if t.computed else t.hashes[:t.cached], self._admitted_total + max(0, free))
         if t.priority == Priority.INTERACTIVE:
             self._interactive_blocks -= t.added
-            self._interactive_prefilling -= not t.computed
         left = self._running.get(t.session, 0) - 1
         if left > 0:
             self._running[t.session] = left

@@ -181,7 +181,6 @@ async def test_reserve_follows_the_usual_turn_not_a_rare_large_one() -> None:
 async def test_reserve_is_headroom_beyond_what_the_main_agent_holds() -> None:
     s = sched(blocks=100, block=10, reserve_window_s=0.2)
     main = await s.acquire(foot("main", 100, priority="interactive"))  # observed: 10 blocks, 1 seat
-    main.prefilled()
     subs = [await s.acquire(foot(f"sub{i}", 300)) for i in range(3)]  # 10 + 90: the reserve is in use
     assert s.used_blocks == 100
     main.release()
@@ -193,30 +192,6 @@ async def test_reserve_is_headroom_beyond_what_the_main_agent_holds() -> None:
     (await asyncio.wait_for(nxt, 1)).release()
     for t in subs[1:]:
         t.release()
-
-
-async def test_subagents_wait_while_the_main_agent_prefills() -> None:
-    """A subagent's prefill would share the engine step the main agent's first token waits on: none
-    starts while an interactive request is admitted and has not produced a token; released (or ended
-    before its first token), they start."""
-    s = sched(blocks=100, block=10)
-    main = await s.acquire(foot("main", 100, priority="interactive"))
-    sub = asyncio.ensure_future(s.acquire(foot("sub", 100)))
-    await settle()
-    assert not sub.done()
-    main.prefilled()
-    await settle()
-    assert sub.done()
-    again = await s.acquire(foot("main", 100, priority="interactive"))
-    late = asyncio.ensure_future(s.acquire(foot("late", 100)))
-    await settle()
-    assert not late.done()
-    again.release()  # the client left before the first token
-    await settle()
-    assert late.done()
-    for t in (main, sub.result(), late.result()):
-        t.release()
-    assert s.running == 0 and s.used_blocks == 0
 
 
 async def test_backfill_takes_requests_that_fit_the_gap_and_are_small_against_the_head() -> None:
