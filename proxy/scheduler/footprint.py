@@ -7,12 +7,10 @@ for the request before it ends; admitting only while the sum fits is what keeps 
 Shared prefixes, block by block, the way vLLM's prefix cache finds them: a chain of hashes over the
 prompt's full blocks (the block that holds the last prompt token is never a hit: vLLM always computes
 it). vLLM allocates a block once for every running request whose prompt starts with the same full
-blocks, and it hashes a block when it *allocates* it, not when the block is computed:
-- an admitted request's prompt blocks count once from its admission (`PrefixIndex.hold`). Siblings
-  sent together share: the first one's prefill chunk either covers the shared prefix or uses the whole
-  step's token budget, so the next is scheduled only once the prefix is allocated (measured on
-  cpu-fanout-long: 2 and 4 prompts sent at once over a 3,072-token common prefix, prefix-cache hits
-  3,072 and 9,216: every sibling after the first hit all of it);
+blocks, but only once some holder has *computed* them:
+- a running request's prompt blocks count once after it produced a token (`PrefixIndex.materialize`);
+  two prompts scheduled in the same step both miss and both allocate, so one admitted before that
+  holds its own copy;
 - blocks of a request that finished moments ago still sit in vLLM's cache (free but hashed, evicted
   only when the free queue reaches them): a request that starts with them hits at once, so they are
   counted once from its admission (`RecentPrefixes`), and later requests share them too. vLLM appends
@@ -72,7 +70,7 @@ class PrefixIndex:
         return h in self._refs
 
     def shared_prefix(self, hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of `hashes` an admitted request already holds."""
+        """How many leading blocks of `hashes` are already materialized by a running request."""
         n = 0
         for h in hashes:
             if h not in self._refs:
@@ -80,13 +78,15 @@ class PrefixIndex:
             n += 1
         return n
 
-    def hold(self, hashes: Sequence[bytes]) -> int:
-        """One more reference on each block; returns how many are new (counted here from now on)."""
-        new = 0
+    def acquire(self, hashes: Sequence[bytes]) -> None:
         for h in hashes:
-            n = self._refs.get(h, 0)
-            self._refs[h] = n + 1
-            new += n == 0
+            self._refs[h] += 1
+
+    def materialize(self, hashes: Sequence[bytes]) -> list[bytes]:
+        """Enter a holder's blocks; returns those that are new (now counted here, not privately)."""
+        new = [h for h in hashes if h not in self._refs]
+        for h in new:
+            self._refs[h] = 1
         return new
 
     def release(self, hashes: Sequence[bytes]) -> int:

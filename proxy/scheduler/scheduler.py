@@ -10,7 +10,7 @@ Policy:
   for interactive requests, sized from their observed peak (reserve.py), as headroom beyond what they
   hold now, so the main agent starts promptly during a subagent burst without idling a fixed share;
 - footprints count the prompt blocks the engine will find cached once (footprint.py): those of
-  admitted requests (from their admission on) and those of requests that just ended;
+  running requests that produced a token, and those of requests that just ended;
 - a request that does not fit the pool with every admitted request at its worst case at once may still
   start if it fits at every future step: generating requests end within their tokens left and cannot
   write their output faster than 1 + spec_tokens a step (`_fits_over_time`; tickets report progress);
@@ -56,19 +56,19 @@ class SeatTicket:
     session: str
     priority: Priority
     private_blocks: int
-    hashes: tuple[bytes, ...]  # all shareable prompt blocks, each counted in the shared index
-    cached: int  # how many of them the engine held (running or recently freed) at admission
+    hashes: tuple[bytes, ...]  # all shareable prompt blocks
+    shared: list[bytes]  # blocks counted in the shared index on this ticket's behalf
     admitted_at: float
     released: bool = False
-    computed: bool = False  # the engine produced a token: every prompt block is computed
+    materialized: bool = False
     backfilled: bool = field(default=False)
     added: int = 0  # blocks this ticket added to the admitted total when it started (its demand)
     out_tokens: int = 0  # the most it may generate
     generated: int = 0  # what the engine has produced so far (0: still prefilling)
 
     def prefilled(self) -> None:
-        """The engine produced a token: this prompt's blocks are computed and stay cached after it ends."""
-        self.computed = True
+        """The engine produced a token: this prompt's blocks are computed and can be shared."""
+        self.scheduler._materialize(self)
 
     def progress(self, generated: int) -> None:
         before, self.generated = self.generated, generated
@@ -251,10 +251,14 @@ class Scheduler:
         hit, held = self._cached(w) if self.geometry is not None else (0, 0)
         cost = self._block_cost()
         need = w.blocks - held * cost if self.geometry is not None else 0
-        # Every prompt block enters the shared index now, not once computed: vLLM hashes a block when
-        # it allocates it, so a sibling scheduled in the same step or later finds it (footprint.py).
-        private = need - self._prefix.hold(w.hashes) * cost
-        ticket = SeatTicket(self, w.session, w.priority, private, tuple(w.hashes), hit, time.monotonic(),
+        shared = list(w.hashes[:hit])
+        for h in shared:  # held ones gain a reference; recently freed ones are counted once from now on
+            if h in self._prefix:
+                self._prefix.acquire((h,))
+            else:
+                self._prefix.materialize((h,))
+        private = need - (hit - held) * cost
+        ticket = SeatTicket(self, w.session, w.priority, private, tuple(w.hashes), shared, time.monotonic(),
                             backfilled=how == "backfill", added=need, out_tokens=w.out_tokens)
         self._live.add(ticket)
         self._private += private
@@ -264,20 +268,33 @@ class Scheduler:
         if w.priority == Priority.INTERACTIVE:
             # Demand: the blocks beyond the prompt prefix the engine caches (reserve.py).
             self._interactive_blocks += need
-            self.reserve.observe(need - (hit - held) * cost, self._by_class[Priority.INTERACTIVE])
+            self.reserve.observe(private, self._by_class[Priority.INTERACTIVE])
         m = self.metrics
         m.admitted[w.priority, how].inc()
         m.wait[w.priority].observe(time.monotonic() - w.enqueued)
         return ticket
+
+    def _materialize(self, t: SeatTicket) -> None:
+        if t.released or t.materialized or self.geometry is None or not self.geometry.shares_prefixes:
+            return
+        t.materialized = True
+        new = self._prefix.materialize(t.hashes[len(t.shared):])
+        if not new:
+            return
+        # Those blocks move from this ticket's private count to the shared index (same blocks).
+        moved = len(new) * self._block_cost()
+        t.private_blocks -= moved
+        self._private -= moved
+        t.shared.extend(new)
+        self._pump()  # requests sharing this prefix may fit now
 
     def _release(self, t: SeatTicket) -> None:
         # Its computed blocks stay cached behind the blocks already free (at least pool - admitted worst cases).
         free = self.geometry.num_blocks - self.used_blocks if self.geometry is not None else 0
         self._private -= t.private_blocks
         self._live.discard(t)
-        self._prefix.release(t.hashes)
-        # computed blocks stay cached; a prompt that never produced a token leaves only what was cached before it
-        self._recent.add(t.hashes if t.computed else t.hashes[:t.cached], self._admitted_total + max(0, free))
+        self._prefix.release(t.shared)
+        self._recent.add(t.hashes if t.materialized else t.shared, self._admitted_total + max(0, free))
         if t.priority == Priority.INTERACTIVE:
             self._interactive_blocks -= t.added
         left = self._running.get(t.session, 0) - 1

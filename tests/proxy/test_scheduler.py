@@ -101,8 +101,8 @@ def test_prefix_hashes_skip_the_last_token() -> None:
     a, b = prefix_hashes(list(range(600)), 256), prefix_hashes(list(range(600)) + [1], 256)
     assert a == b[:2] and prefix_hashes([9] + list(range(599)), 256)[0] != a[0]
     idx = PrefixIndex()
-    assert idx.hold(a) == 2 and idx.shared_prefix(b) == 2
-    assert idx.hold(a[:1]) == 0
+    assert idx.materialize(a) == a and idx.shared_prefix(b) == 2
+    idx.acquire(a[:1])
     assert idx.release(a) == 1 and idx.release(a[:1]) == 1 and len(idx) == 0
 
 
@@ -339,17 +339,16 @@ async def test_oversized_request_runs_alone() -> None:
     t.release()
 
 
-async def test_shared_prefix_counted_once_from_admission() -> None:
-    """vLLM hashes a block when it allocates it: a sibling sent before the first one's prefill shares its
-    prompt blocks (footprint.py), so they are counted once from the first admission on."""
+async def test_shared_prefix_counted_once_after_prefill() -> None:
     s = sched(blocks=100, block=16)
     prompt = list(range(600))  # 37 full blocks before the last token: shareable, block by block
     a = await s.acquire(foot("a", 600, 100, prompt=prompt))
-    assert s.used_blocks == 44 and isinstance(a, SeatTicket) and a.private_blocks == 44 - 37
-    b = await s.acquire(foot("b", 600, 100, prompt=prompt))  # before a's prefill: shares it all the same
-    assert s.used_blocks == 44 + 7
+    b = await s.acquire(foot("b", 600, 100, prompt=prompt))  # before a's prefill: its own copy
+    assert s.used_blocks == 88
     b.release()
+    assert isinstance(a, SeatTicket)
     a.prefilled()
+    assert s.used_blocks == 44 and a.private_blocks == 44 - 37
     c = await s.acquire(foot("c", 600, 100, prompt=prompt))
     assert s.used_blocks == 44 + 7
     d = await s.acquire(foot("d", 600, 100, prompt=prompt[:300] + [7] * 300))  # shares 18 blocks, then diverges
@@ -371,21 +370,19 @@ async def test_recently_finished_prefix_is_counted_once_from_admission() -> None
     main.prefilled()
     main.release()
     subs = [await s.acquire(foot(f"sub{i}", 1700, 50, prompt=parent + [i] * 100)) for i in range(3)]
-    # the first pays the prefix (cached blocks leave the free pool when hit), the others only their tails;
-    # they share 100 blocks among them (the parent's 100th is full in theirs), 99 with the parent's request
-    assert s.used_blocks == 110 + 2 * (110 - 100)
-    assert all(isinstance(t, SeatTicket) and t.hashes[:99] == subs[0].hashes[:99] for t in subs)  # type: ignore[union-attr]
+    # the first pays the prefix (cached blocks leave the free pool when hit), the others only their tails
+    assert s.used_blocks == 110 + 2 * (110 - 99)
+    assert all(isinstance(t, SeatTicket) and t.shared == subs[0].shared for t in subs)  # type: ignore[union-attr]
     for t in subs:
         t.release()
     assert s.used_blocks == 0
     # vLLM evicts freed blocks once as many blocks as were free before them are allocated: past that mark
-    # (at most 290 free ahead of them when the subagents ended; 3 x 100 admitted since), the first pays them
-    # again (the second shares the first's, as siblings do).
+    # (at most 290 free ahead of them when the subagents ended; 3 x 100 admitted since), each pays its own again.
     for _ in range(3):
         (await s.acquire(foot("other", 1600))).release()
     late = [await asyncio.wait_for(s.acquire(foot(f"late{i}", 1700, 50, prompt=parent + [i] * 100)), 1)
             for i in range(2)]
-    assert s.used_blocks == 110 + 10
+    assert s.used_blocks == 2 * 110
     for t in late:
         t.release()
     stale = Scheduler(SchedulerConfig(reserve_fraction=0, reserve_seats=0, prefix_recent_s=0),
@@ -393,9 +390,9 @@ async def test_recently_finished_prefix_is_counted_once_from_admission() -> None
     m = await stale.acquire(foot("main", 1600, 10, "interactive", prompt=parent))
     m.prefilled()
     m.release()
-    await asyncio.sleep(0.01)  # past the window: the engine may have evicted them, so the first pays again
+    await asyncio.sleep(0.01)  # past the window: the engine may have evicted them, so each pays its own
     subs = [await stale.acquire(foot(f"sub{i}", 1700, 50, prompt=parent + [i] * 100)) for i in range(2)]
-    assert stale.used_blocks == 110 + 10
+    assert stale.used_blocks == 2 * 110
     for t in subs:
         t.release()
 
@@ -594,7 +591,7 @@ async def test_long_regime_is_sized_so_direct_admission_must_preempt() -> None:
     shared = list(range(parent))
     first = await s.acquire(foot("sub0", prompt, load.sub_tokens, prompt=shared + [0] * (prompt - parent)))
     assert isinstance(first, SeatTicket)
-    # the parent counts once from the first admission: the others count only their own tails
+    first.prefilled()  # the parent is computed: the others count only their own tails
     rest = [asyncio.ensure_future(s.acquire(foot(f"sub{i}", prompt, load.sub_tokens,
                                                  prompt=shared + [i] * (prompt - parent))))
             for i in range(1, load.subagents)]
