@@ -167,7 +167,7 @@ class EventStream:
                     if self._first:
                         datas[0] = _drop_prompt_ids(datas[0])
                         self._first = False
-                    return [_EVENT.decode(d) for d in datas]
+                    return [_EVENT.decode(datas[0])] if len(datas) == 1 else [_EVENT.decode(d) for d in datas]
             await self._finish_body()
             return None
         except (aiohttp.ClientError, OSError) as exc:
