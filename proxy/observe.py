@@ -216,8 +216,8 @@ class Observer:
             s.history.popleft()
         m = self.metrics
         for source, n in (("cached", cached), ("reprefilled", reprefilled), ("new", new)):
-            m.session_tokens.labels(eng, req.harness, source).inc(n)
-        m.turns.labels(eng, req.harness).inc()
+            m.child(m.session_tokens, eng, req.harness, source).inc(n)
+        m.child(m.turns, eng, req.harness).inc()
         if restored:
             m.reasoning_restored.labels(req.harness).inc()
 
@@ -226,7 +226,7 @@ class Observer:
         left reads 0); counting the whole board on every turn cost 0.1 ms per request."""
         n = self._board.get(harness, 0) + delta
         self._board[harness] = n
-        self.metrics.active_sessions.labels(harness).set(n)
+        self.metrics.child(self.metrics.active_sessions, harness).set(n)
 
     async def refresh(self) -> None:
         """Re-read the /metrics of engines whose copy is stale (none while their scheduler polls)."""

@@ -120,7 +120,7 @@ class Planner:
             if found.snapshot is not None and spliced:
                 prompt, text, ends = await self._splice(found, chat, req.thinking)
                 parent: Snapshot | None = found.snapshot
-                self.metrics.transcript_lookups.labels("hit").inc()
+                self.metrics.child(self.metrics.transcript_lookups, "hit").inc()
                 self.metrics.spliced_tokens.inc(len(found.snapshot.ids))
             else:
                 rendered = await _render(chat.messages, partial(self.fmt.render, chat.messages, chat.tools,
@@ -166,7 +166,7 @@ class Planner:
 
     def _account_fresh(self, req: TurnRequest, found: Match, prompt: array[int]) -> Divergence | None:
         if found.snapshot is None:
-            self.metrics.transcript_lookups.labels("miss").inc()
+            self.metrics.child(self.metrics.transcript_lookups, "miss").inc()
             return None
         self.metrics.transcript_lookups.labels("diverged").inc()
         self.metrics.divergences.labels(found.reason or "unknown").inc()

@@ -70,15 +70,19 @@ def turn_router(services: Services) -> APIRouter:
             services.metrics.requests.labels(wire.route, str(exc.status)).inc()
             return error_response(exc, wire)
 
-    @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         if services.turns is None:  # no chat format: vLLM renders (no transcripts)
             return await relay(services, request, "/v1/chat/completions")
         return await answer(request, openai_wire, services.ingress.openai)
 
-    @router.post("/v1/messages")
     async def messages(request: Request) -> Response:
         return await answer(request, anthropic_wire, services.ingress.anthropic)
+
+    # The two turn endpoints are plain Starlette routes: FastAPI's per-request dependency solving buys
+    # nothing for a handler that takes the raw Request (the OpenAPI document is proxy/openapi.py's own),
+    # and it sat before the first byte of every turn.
+    router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    router.add_route("/v1/messages", messages, methods=["POST"])
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:

@@ -34,6 +34,14 @@ class SSEParser:
         if self.done or not chunk:
             return []
         parts = self._parts
+        if not parts and chunk.find(b"\n") == len(chunk) - 2 and chunk.endswith(b"\n\n") and chunk.startswith(b"data:"):
+            # The usual read of a streaming engine: exactly one event of one data line, nothing pending.
+            self.scans += 1
+            data = chunk[5:-2].strip()
+            if data == DONE:
+                self.done = True
+                return []
+            return [data]
         if parts:
             # The pending event ends in this read, or exactly at the seam ("...\n" + "\n...").
             if chunk.find(b"\n\n") < 0 and not (chunk[0] == 10 and parts[-1][-1] == 10):

@@ -248,7 +248,8 @@ class Turn:
                     deltas = parser.feed(new)
                     if deltas:
                         if first:
-                            svc.metrics.ttfb.labels(route).observe(time.perf_counter() - self.request.received)
+                            m = svc.metrics
+                            m.child(m.ttfb, route).observe(time.perf_counter() - self.request.received)
                             first = False
                         yield DeltaEvent(gate.filter(deltas), (lp.take() or None) if lp is not None else None)
                 batch = await read()
@@ -256,7 +257,7 @@ class Turn:
             if rest:
                 yield DeltaEvent(gate.filter(rest), (lp.take() or None) if lp is not None else None)
             yield await self._finish(parser, gate)
-            svc.metrics.requests.labels(route, "200").inc()
+            svc.metrics.child(svc.metrics.requests, route, "200").inc()
         except ProxyError as exc:
             log.warning("%s turn failed: %s", route, exc.message)
             svc.engine_failed(self.placement, exc)
@@ -341,4 +342,5 @@ class Turn:
         self.closed = True
         self.stream.close()
         self.ticket.release()
-        self.service.metrics.latency.labels(self.request.route).observe(time.perf_counter() - self.request.received)
+        m = self.service.metrics
+        m.child(m.latency, self.request.route).observe(time.perf_counter() - self.request.received)

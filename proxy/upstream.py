@@ -64,6 +64,8 @@ def _drop_prompt_ids(data: bytes) -> bytes:
 KEEPALIVE_S = 3.0
 # How long the end of a response is awaited after `[DONE]` before the connection is dropped instead.
 _END_WAIT_S = 0.5
+# A streamed answer's reads are watched by EventStream itself (see there); connecting stays bounded.
+_STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=None)
 _REUSE_RETRIES = 2
 
 
@@ -147,10 +149,29 @@ class EventStream:
     async generator between the socket and the client costs a hop per read.
     """
 
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, idle_s: float | None = None) -> None:
         self._resp = resp
         self._sse = SSEParser()
         self._first = True
+        # `idle_s`: the stream fails after that long without a byte, watched by one timer per stream
+        # (`_check`) rather than aiohttp's sock_read, which cancels and re-arms a timer on every network
+        # read (1.8 us measured here, once per token). None: the session's own sock_read watches.
+        self._idle_s = idle_s
+        self._watch: asyncio.TimerHandle | None = None
+        if idle_s is not None:
+            loop = asyncio.get_running_loop()
+            self._now, self._last = loop.time, loop.time()
+            self._watch = loop.call_later(idle_s, self._check)
+
+    def _check(self) -> None:
+        idle_s = self._idle_s or 0.0
+        quiet = self._now() - self._last
+        if quiet < idle_s:
+            self._watch = asyncio.get_running_loop().call_later(idle_s - quiet, self._check)
+            return
+        self._watch = None
+        # What sock_read raises: the waiting read fails with it, and read_batch reports it.
+        self._resp.content.set_exception(aiohttp.ServerTimeoutError(f"no data from the engine in {idle_s:g} s"))
 
     async def read_batch(self) -> list[Event] | None:
         """The events completed by the next read(s), at least one; None at `[DONE]` or the end of the
@@ -160,6 +181,8 @@ class EventStream:
         try:
             while not sse.done:
                 chunk = await read()
+                if self._watch is not None:
+                    self._last = self._now()
                 if not chunk:
                     return None
                 datas = sse.feed(chunk)
@@ -167,7 +190,7 @@ class EventStream:
                     if self._first:
                         datas[0] = _drop_prompt_ids(datas[0])
                         self._first = False
-                    return [_EVENT.decode(d) for d in datas]
+                    return [_EVENT.decode(datas[0])] if len(datas) == 1 else [_EVENT.decode(d) for d in datas]
             await self._finish_body()
             return None
         except (aiohttp.ClientError, OSError) as exc:
@@ -196,6 +219,9 @@ class EventStream:
             self.close()
 
     def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         # Closing (not releasing) an unfinished response drops the connection, which makes vLLM
         # abort the request and free its seat when a client goes away mid-stream.
         if not self._resp.content.at_eof():
@@ -218,6 +244,8 @@ class Upstream:
         self.base_url = base_url.rstrip("/")
         self.session = session
         self._model: ModelInfo | None = None
+        # Set by `open()`: streamed answers are watched by EventStream instead of the session's sock_read.
+        self.read_timeout_s: float | None = None
 
     @classmethod
     def open(
@@ -231,7 +259,9 @@ class Upstream:
             connector=connector, timeout=timeout, auto_decompress=False, headers=headers,
             trace_configs=[_reuse_tracer()],
         )
-        return cls(base_url, session)
+        upstream = cls(base_url, session)
+        upstream.read_timeout_s = timeout_s
+        return upstream
 
     async def _send(self, method: str, path: str, **kwargs: Any) -> aiohttp.ClientResponse:
         """Send a request and wait for its status line. A pooled connection the server closed while it
@@ -289,7 +319,15 @@ class Upstream:
     async def open_events(self, path: str, payload: bytes) -> EventStream:
         """POST a streaming request (JSON bytes) and wait for the status line only: a 4xx/5xx raises
         here, before the caller has sent a byte, so it can still answer with a proper error."""
-        resp = await self._send("POST", path, data=payload, headers=_JSON)
+        idle_s = self.read_timeout_s
+        if idle_s is None:
+            resp = await self._send("POST", path, data=payload, headers=_JSON)
+        else:
+            try:  # the status line within the read timeout, as sock_read would have had it
+                async with asyncio.timeout(idle_s):
+                    resp = await self._send("POST", path, data=payload, headers=_JSON, timeout=_STREAM_TIMEOUT)
+            except TimeoutError as exc:
+                raise UpstreamError(f"upstream {self.base_url} sent no answer in {idle_s:g} s") from exc
         if resp.status != 200:
             try:
                 data = await resp.read()
@@ -297,7 +335,7 @@ class Upstream:
                 resp.release()
             _raise_for_status(resp.status, data)
             raise UpstreamError(f"upstream answered {resp.status}")
-        return EventStream(resp)
+        return EventStream(resp, idle_s)
 
     async def model(self, *, refresh: bool = False) -> ModelInfo:
         """The served model id and max_model_len, read once from vLLM's /v1/models."""

@@ -46,7 +46,10 @@ class PlainParser(OutputParser):
         self._parts: list[str] = []
 
     def feed(self, token_ids: Sequence[int]) -> list[Delta]:
-        text = self._decoder.feed([t for t in token_ids if t not in self._skip])
+        if len(token_ids) == 1:  # one token per read, the usual case: no list built
+            text = self._decoder.feed(() if token_ids[0] in self._skip else token_ids)
+        else:
+            text = self._decoder.feed([t for t in token_ids if t not in self._skip])
         return self._emit(text)
 
     def finish(self) -> list[Delta]:

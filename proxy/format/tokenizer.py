@@ -277,8 +277,16 @@ class IncrementalDecoder:
             data = self._pending + token_bytes(token_ids[0])
         else:
             data = self._pending + b"".join(map(token_bytes, token_ids))
+        try:  # the usual case, whole characters: one decode, no slicing
+            text = data.decode()
+        except UnicodeDecodeError:
+            return self._split(data)
+        self._pending = b""
+        return text
+
+    def _split(self, data: bytes) -> str:
         # A UTF-8 character is at most 4 bytes: only the last 3 bytes can be an incomplete one.
-        for cut in range(len(data), max(len(data) - 4, -1), -1):
+        for cut in range(len(data) - 1, max(len(data) - 4, -1), -1):
             try:
                 text = data[:cut].decode()
             except UnicodeDecodeError:

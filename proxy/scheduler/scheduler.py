@@ -244,7 +244,8 @@ class Scheduler:
     def _progressed(self, t: SeatTicket, before: int) -> None:
         """A ticket crossed into a new output block: the future may have room for a waiter now."""
         g = self.geometry
-        if self.queue and g is not None and t.generated // g.block_size != before // g.block_size:
+        # Per token: the integer test first, the queue's length (a Python __len__) only on a crossing.
+        if g is not None and t.generated // g.block_size != before // g.block_size and self.queue:
             self._pump()
 
     def _admit(self, w: Waiter, how: str) -> SeatTicket:

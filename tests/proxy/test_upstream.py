@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,3 +167,55 @@ async def test_the_proxy_keeps_an_idle_client_connection_past_common_client_limi
         server.should_exit = True
         await task
         sock.close()
+
+
+class StallingServer:
+    """Reads one request, then sends `events` SSE events (or not even a status line) and goes quiet."""
+
+    def __init__(self, events: int | None) -> None:
+        self.events = events
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            if self.events is not None:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+                for _ in range(self.events):
+                    event = b'data: {"choices":[{"token_ids":[5],"finish_reason":null}]}\n\n'
+                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+            await asyncio.sleep(30)  # quiet until the client gives up and the test ends
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.mark.asyncio
+async def test_a_stream_that_goes_quiet_fails_after_the_read_timeout(serve) -> None:
+    # The streamed answer is watched by EventStream's own timer (not aiohttp's per-read sock_read).
+    up = Upstream.open(await serve(StallingServer(events=1)), timeout_s=0.3)
+    try:
+        stream = await up.open_events("/x", b"{}")
+        batch = await stream.read_batch()
+        assert batch is not None and batch[0].choices and batch[0].choices[0].token_ids == [5]
+        started = time.monotonic()
+        with pytest.raises(UpstreamError, match=r"no data from the engine in 0\.3 s"):
+            await stream.read_batch()
+        assert 0.25 <= time.monotonic() - started < 3
+        stream.close()
+    finally:
+        await up.close()
+
+
+@pytest.mark.asyncio
+async def test_an_engine_that_never_answers_fails_after_the_read_timeout(serve) -> None:
+    up = Upstream.open(await serve(StallingServer(events=None)), timeout_s=0.3)
+    try:
+        started = time.monotonic()
+        with pytest.raises(UpstreamError, match=r"sent no answer in 0\.3 s"):
+            await up.open_events("/x", b"{}")
+        assert 0.25 <= time.monotonic() - started < 3
+    finally:
+        await up.close()
