@@ -240,12 +240,12 @@ def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
 
 
 class Upstream:
-    def __init__(self, base_url: str, session: aiohttp.ClientSession) -> None:
+    def __init__(self, base_url: str, session: aiohttp.ClientSession, read_timeout_s: float | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.session = session
         self._model: ModelInfo | None = None
-        # Set by `open()`: streamed answers are watched by EventStream instead of the session's sock_read.
-        self.read_timeout_s: float | None = None
+        # Given by `open()`: streamed answers are watched by EventStream instead of the session's sock_read.
+        self.read_timeout_s = read_timeout_s
 
     @classmethod
     def open(
@@ -259,9 +259,7 @@ class Upstream:
             connector=connector, timeout=timeout, auto_decompress=False, headers=headers,
             trace_configs=[_reuse_tracer()],
         )
-        upstream = cls(base_url, session)
-        upstream.read_timeout_s = timeout_s
-        return upstream
+        return cls(base_url, session, timeout_s)
 
     async def _send(self, method: str, path: str, **kwargs: Any) -> aiohttp.ClientResponse:
         """Send a request and wait for its status line. A pooled connection the server closed while it

@@ -31,13 +31,18 @@ class EngineLoad:
     head_wait_s: float = 0.0  # how long the oldest queued request has waited
 
     @property
+    def requests(self) -> int:
+        """Admitted and waiting (queued, or locally just placed)."""
+        return self.running + self.queued
+
+    @property
     def footprint(self) -> float:
         """Share of the engine's capacity in use: pool blocks when known, else seats, else requests."""
         if self.pool_blocks:
             return self.used_blocks / self.pool_blocks
         if self.seats:
-            return (self.running + self.queued) / self.seats
-        return float(self.running + self.queued)
+            return self.requests / self.seats
+        return float(self.requests)
 
     def plus(self, other: EngineLoad) -> EngineLoad:
         return EngineLoad(self.running + other.running, self.queued + other.queued,

@@ -87,9 +87,9 @@ def least_loaded(engines: Sequence[Engine], loads: dict[str, EngineLoad], key: s
 def within_bound(engine: Engine, engines: Sequence[Engine], loads: dict[str, EngineLoad], factor: float) -> bool:
     """Whether one more request keeps `engine` within `factor` x its weighted share of all the requests
     admitted, queued or just placed (this one included): the bound of bounded-load consistent hashing."""
-    total = sum(loads[e.name].running + loads[e.name].queued for e in engines) + 1
+    total = sum(loads[e.name].requests for e in engines) + 1
     share = engine.weight / sum(e.weight for e in engines)
-    mine = loads[engine.name].running + loads[engine.name].queued + 1
+    mine = loads[engine.name].requests + 1
     return mine <= max(1.0, factor * total * share)
 
 
@@ -178,12 +178,12 @@ class AffinityPolicy(_RecordingPolicy):
 
 
 def _requests(e: Engine, loads: dict[str, EngineLoad]) -> float:
-    return (loads[e.name].running + loads[e.name].queued) / e.weight
+    return loads[e.name].requests / e.weight
 
 
 def _has_seat(load: EngineLoad) -> bool:
     if load.seats:
-        return load.running + load.queued < load.seats
+        return load.requests < load.seats
     return load.queued == 0 and (not load.pool_blocks or load.footprint < 1)
 
 
