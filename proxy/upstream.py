@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from proxy.engine_http import EngineConnection, EnginePool
 from proxy.errors import InvalidRequest, UpstreamError, UpstreamUnreachable
 from proxy.sse import SSEParser
 
@@ -64,8 +65,6 @@ def _drop_prompt_ids(data: bytes) -> bytes:
 KEEPALIVE_S = 3.0
 # How long the end of a response is awaited after `[DONE]` before the connection is dropped instead.
 _END_WAIT_S = 0.5
-# A streamed answer's reads are watched by EventStream itself (see there); connecting stays bounded.
-_STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=None)
 _REUSE_RETRIES = 2
 
 
@@ -144,57 +143,56 @@ class EventStream:
     """An open SSE response; `read_batch()` returns the events of each network read until `[DONE]`.
 
     A proxy that falls behind gets several events per read and handles them as one (one parser call,
-    one chunk, one write), so its cost per event drops exactly when the load rises. `read_batch` is a
-    plain coroutine on `readany()` rather than an async generator over `iter_any()`: each layer of
-    async generator between the socket and the client costs a hop per read.
+    one chunk, one write), so its cost per event drops exactly when the load rises. The bytes come from
+    the lean engine connection (proxy/engine_http.py): each wake-up takes everything received so far.
     """
 
-    def __init__(self, resp: aiohttp.ClientResponse, idle_s: float | None = None) -> None:
-        self._resp = resp
+    def __init__(self, conn: EngineConnection, pool: EnginePool, idle_s: float | None = None) -> None:
+        self._conn = conn
+        self._pool = pool
         self._sse = SSEParser()
         self._first = True
+        self._closed = False
         # `idle_s`: the stream fails after that long without a byte, watched by one timer per stream
-        # (`_check`) rather than aiohttp's sock_read, which cancels and re-arms a timer on every network
-        # read (1.8 us measured here, once per token). None: the session's own sock_read watches.
+        # (`_check`) rather than a timer re-armed on every network read (once per token).
         self._idle_s = idle_s
         self._watch: asyncio.TimerHandle | None = None
         if idle_s is not None:
             loop = asyncio.get_running_loop()
-            self._now, self._last = loop.time, loop.time()
+            conn.last = loop.time()
             self._watch = loop.call_later(idle_s, self._check)
 
     def _check(self) -> None:
         idle_s = self._idle_s or 0.0
-        quiet = self._now() - self._last
+        loop = asyncio.get_running_loop()
+        quiet = loop.time() - self._conn.last
         if quiet < idle_s:
-            self._watch = asyncio.get_running_loop().call_later(idle_s - quiet, self._check)
+            self._watch = loop.call_later(idle_s - quiet, self._check)
             return
         self._watch = None
-        # What sock_read raises: the waiting read fails with it, and read_batch reports it.
-        self._resp.content.set_exception(aiohttp.ServerTimeoutError(f"no data from the engine in {idle_s:g} s"))
+        self._conn.abort(UpstreamError(f"no data from the engine in {idle_s:g} s"))
 
     async def read_batch(self) -> list[Event] | None:
         """The events completed by the next read(s), at least one; None at `[DONE]` or the end of the
         response. The caller closes the stream (`close()`) when done with it."""
-        sse = self._sse
-        read = self._resp.content.readany
+        sse, conn = self._sse, self._conn
         try:
             while not sse.done:
-                chunk = await read()
-                if self._watch is not None:
-                    self._last = self._now()
-                if not chunk:
+                if conn.chunks:
+                    datas = sse.feed(conn.take())
+                    if datas:
+                        if self._first:
+                            datas[0] = _drop_prompt_ids(datas[0])
+                            self._first = False
+                        return [_EVENT.decode(datas[0])] if len(datas) == 1 else [_EVENT.decode(d) for d in datas]
+                elif conn.error is not None:
+                    raise UpstreamError(f"upstream stream broke: {conn.error}")
+                elif conn.complete:
                     return None
-                datas = sse.feed(chunk)
-                if datas:
-                    if self._first:
-                        datas[0] = _drop_prompt_ids(datas[0])
-                        self._first = False
-                    return [_EVENT.decode(datas[0])] if len(datas) == 1 else [_EVENT.decode(d) for d in datas]
+                else:
+                    await conn.wait()
             await self._finish_body()
             return None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError(f"upstream stream broke: {exc}") from exc
         except ValueError as exc:
             raise UpstreamError(f"upstream sent a malformed event: {exc}") from exc
 
@@ -202,11 +200,11 @@ class EventStream:
         """After `[DONE]`, read the response's end (the chunked terminator, sent right after it) so the
         connection goes back to the pool: closing it unfinished would make the next request open a new
         one (a connect on both sides, measured as most of the per-request gap to a bare relay)."""
-        content = self._resp.content
+        conn = self._conn
         try:
             async with asyncio.timeout(_END_WAIT_S):
-                while not content.at_eof() and await content.readany():
-                    pass
+                while not (conn.complete or conn.error is not None or conn.closed):
+                    await conn.wait()
         except TimeoutError:
             pass  # an engine that keeps the response open: close() drops the connection
 
@@ -219,15 +217,15 @@ class EventStream:
             self.close()
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None
-        # Closing (not releasing) an unfinished response drops the connection, which makes vLLM
-        # abort the request and free its seat when a client goes away mid-stream.
-        if not self._resp.content.at_eof():
-            self._resp.close()
-        else:
-            self._resp.release()
+        # An unfinished response is dropped with its connection, which makes vLLM abort the request
+        # and free its seat when a client goes away mid-stream; a finished one goes back to the pool.
+        self._pool.release(self._conn)
 
 
 # The client's credential is for the proxy; the engine has its own key (set on the session), which a
@@ -240,11 +238,16 @@ def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
 
 
 class Upstream:
-    def __init__(self, base_url: str, session: aiohttp.ClientSession, read_timeout_s: float | None = None) -> None:
+    """The engine's HTTP API. A turn's stream goes over the lean client (`streams`, proxy/engine_http.py);
+    every other call over the aiohttp session."""
+
+    def __init__(self, base_url: str, session: aiohttp.ClientSession, read_timeout_s: float | None = None, *,
+                 api_key: str | None = None, keepalive_s: float = KEEPALIVE_S) -> None:
         self.base_url = base_url.rstrip("/")
         self.session = session
+        self.streams = EnginePool(base_url, api_key=api_key, keepalive_s=keepalive_s)
         self._model: ModelInfo | None = None
-        # Given by `open()`: streamed answers are watched by EventStream instead of the session's sock_read.
+        # A streamed answer fails after this long without a byte (EventStream watches it).
         self.read_timeout_s = read_timeout_s
 
     @classmethod
@@ -259,7 +262,7 @@ class Upstream:
             connector=connector, timeout=timeout, auto_decompress=False, headers=headers,
             trace_configs=[_reuse_tracer()],
         )
-        return cls(base_url, session, timeout_s)
+        return cls(base_url, session, timeout_s, api_key=api_key, keepalive_s=keepalive_s)
 
     async def _send(self, method: str, path: str, **kwargs: Any) -> aiohttp.ClientResponse:
         """Send a request and wait for its status line. A pooled connection the server closed while it
@@ -280,6 +283,7 @@ class Upstream:
                 raise UpstreamError(f"upstream {self.base_url} unreachable: {exc}") from exc
 
     async def close(self) -> None:
+        self.streams.close()
         await self.session.close()
 
     async def relay(self, method: str, path: str, *, headers: Mapping[str, str], body: bytes | None) -> RelayResponse:
@@ -318,22 +322,24 @@ class Upstream:
         """POST a streaming request (JSON bytes) and wait for the status line only: a 4xx/5xx raises
         here, before the caller has sent a byte, so it can still answer with a proper error."""
         idle_s = self.read_timeout_s
-        if idle_s is None:
-            resp = await self._send("POST", path, data=payload, headers=_JSON)
-        else:
-            try:  # the status line within the read timeout, as sock_read would have had it
-                async with asyncio.timeout(idle_s):
-                    resp = await self._send("POST", path, data=payload, headers=_JSON, timeout=_STREAM_TIMEOUT)
-            except TimeoutError as exc:
-                raise UpstreamError(f"upstream {self.base_url} sent no answer in {idle_s:g} s") from exc
-        if resp.status != 200:
+        try:  # the status line within the read timeout
+            async with asyncio.timeout(idle_s):
+                conn = await self.streams.request("POST", path, payload)
+        except TimeoutError as exc:
+            raise UpstreamError(f"upstream {self.base_url} sent no answer in {idle_s:g} s") from exc
+        if conn.status != 200:
             try:
-                data = await resp.read()
+                async with asyncio.timeout(idle_s):
+                    while not conn.complete and conn.error is None:
+                        await conn.wait()
+                data = conn.take()
+            except TimeoutError as exc:
+                raise UpstreamError(f"upstream {self.base_url} answered {conn.status} and then nothing") from exc
             finally:
-                resp.release()
-            _raise_for_status(resp.status, data)
-            raise UpstreamError(f"upstream answered {resp.status}")
-        return EventStream(resp, idle_s)
+                self.streams.release(conn)
+            _raise_for_status(conn.status, data)
+            raise UpstreamError(f"upstream answered {conn.status}")
+        return EventStream(conn, self.streams, idle_s)
 
     async def model(self, *, refresh: bool = False) -> ModelInfo:
         """The served model id and max_model_len, read once from vLLM's /v1/models."""

@@ -81,9 +81,14 @@ async def test_a_pooled_connection_closed_by_the_server_is_retried_on_a_fresh_on
         assert await up.post_json("/x", {"turn": 2}) == {"n": 3}
         assert (raw.connections, raw.requests, raw.dropped) == (2, 3, 1)
         assert [json.loads(b) for b in raw.bodies] == [{"turn": 1}, {"turn": 2}]
-        events = await up.open_events("/x", b'{"turn": 3}')  # the streaming path takes the same road
-        events.close()
-        assert (raw.connections, raw.dropped) == (3, 2)
+        # The turn's stream has its own pool (proxy/engine_http.py) and keeps the same rule.
+        first = await up.open_events("/x", b'{"turn": 3}')
+        assert await first.read_batch() is None  # answered whole (no events): back to the pool
+        first.close()
+        again = await up.open_events("/x", b'{"turn": 4}')  # on the pooled one, which the server drops
+        again.close()
+        assert (raw.connections, raw.requests, raw.dropped) == (4, 6, 2)
+        assert [json.loads(b) for b in raw.bodies] == [{"turn": 1}, {"turn": 2}, {"turn": 3}, {"turn": 4}]
     finally:
         await up.close()
 
