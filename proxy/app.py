@@ -20,10 +20,11 @@ from proxy.auth import Guard
 from proxy.dashboard_routes import DashboardLogin, dashboard_router
 from proxy.errors import NotFound, ProxyError
 from proxy.format import ChatFormat, load_format
+from proxy.front import ProxyApp
 from proxy.http import error_response, json_response
 from proxy.openapi import openapi_document
 from proxy.relay import relay
-from proxy.routes import turn_router
+from proxy.routes import TurnEndpoints, turn_router
 from proxy.routing import Engine, Router, make_state
 from proxy.scheduler import Scheduler, open_scheduler
 from proxy.scheduler.metrics import SchedulerMetrics
@@ -51,7 +52,7 @@ def create_app(
     store: SessionStore | None = None,
     fmt: ChatFormat | None = None,
     admission: Admission | None = None,
-) -> FastAPI:
+) -> ProxyApp:
     """Build the app. Injected parts (tests, benchmarks) are used as given and not closed here."""
     services = Services.build(settings)
     services.upstream, services.store = upstream, store
@@ -120,7 +121,7 @@ def create_app(
             if owns_upstream and services.upstream is not None:
                 await services.upstream.close()
 
-    app = FastAPI(title="HyperHarness proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = ProxyApp(title="HyperHarness proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.services = services
 
     @app.exception_handler(ProxyError)
@@ -172,7 +173,8 @@ def create_app(
     async def openapi() -> Response:  # behind the key like every route but /health (proxy/auth.py)
         return json_response(openapi_document())
 
-    app.include_router(turn_router(services))  # chat, messages, files, probes: before the pass-through
+    endpoints = TurnEndpoints(services)
+    app.include_router(turn_router(endpoints))  # chat, messages, files, probes: before the pass-through
     app.include_router(dashboard_router(services))  # /dashboard, /dashboard/state (proxy/dashboard_routes.py)
 
     @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
@@ -181,6 +183,9 @@ def create_app(
 
     # Always on: the target/Host checks and the body limit hold without keys too (keys: loopback only).
     app.add_middleware(Guard, keys=settings.keys, max_body_bytes=settings.limits.max_body_bytes)
+    # A turn is answered straight behind the same front door, before FastAPI's stack (proxy/front.py).
+    app.serve_turns(endpoints.by_path(), lambda inner: Guard(inner, keys=settings.keys,
+                                                              max_body_bytes=settings.limits.max_body_bytes))
     if settings.keys:
         app.add_middleware(DashboardLogin, keys=settings.keys)  # outermost: the page's cookie login
     return app

@@ -7,7 +7,7 @@ answered here and never relayed to vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -52,46 +52,58 @@ async def serve_turn(services: Services, request: Request, turn_request: TurnReq
     return json_response(await wire.complete(held), headers=headers)
 
 
-def turn_router(services: Services) -> APIRouter:
-    router = APIRouter()
-    openai_wire = OpenAIWire(services.settings.model_name)
-    anthropic_wire = AnthropicWire(services.settings.model_name)
+class TurnEndpoints:
+    """The handlers of a turn on either wire (and of counting one's tokens). The app serves the two turn
+    paths straight behind its front door (proxy/front.py) and registers all of them on its router."""
 
-    async def ingest(request: Request, read: Callable[..., TurnRequest], route: str) -> TurnRequest:
+    def __init__(self, services: Services) -> None:
+        self.services = services
+        self.openai_wire = OpenAIWire(services.settings.model_name)
+        self.anthropic_wire = AnthropicWire(services.settings.model_name)
+
+    def by_path(self) -> dict[str, Callable[[Request], Awaitable[Response]]]:
+        """The POST handlers of the two turn paths."""
+        return {"/v1/chat/completions": self.chat_completions, "/v1/messages": self.messages}
+
+    async def ingest(self, request: Request, read: Callable[..., TurnRequest], route: str) -> TurnRequest:
+        services = self.services
         body = await read_json(request, services.settings.limits.max_json_depth)
         info = await services.up().model()
         return read(body, request.headers, max_model_len=info.max_model_len, route=route)
 
-    async def answer(request: Request, wire: Wire, read: Callable[..., TurnRequest]) -> Response:
+    async def answer(self, request: Request, wire: Wire, read: Callable[..., TurnRequest]) -> Response:
         try:
-            turn_request = await ingest(request, read, wire.route)
-            return await serve_turn(services, request, turn_request, wire)
+            turn_request = await self.ingest(request, read, wire.route)
+            return await serve_turn(self.services, request, turn_request, wire)
         except ProxyError as exc:
-            services.metrics.requests.labels(wire.route, str(exc.status)).inc()
+            self.services.metrics.requests.labels(wire.route, str(exc.status)).inc()
             return error_response(exc, wire)
 
-    async def chat_completions(request: Request) -> Response:
-        if services.turns is None:  # no chat format: vLLM renders (no transcripts)
-            return await relay(services, request, "/v1/chat/completions")
-        return await answer(request, openai_wire, services.ingress.openai)
+    async def chat_completions(self, request: Request) -> Response:
+        if self.services.turns is None:  # no chat format: vLLM renders (no transcripts)
+            return await relay(self.services, request, "/v1/chat/completions")
+        return await self.answer(request, self.openai_wire, self.services.ingress.openai)
 
-    async def messages(request: Request) -> Response:
-        return await answer(request, anthropic_wire, services.ingress.anthropic)
+    async def messages(self, request: Request) -> Response:
+        return await self.answer(request, self.anthropic_wire, self.services.ingress.anthropic)
 
-    # The two turn endpoints are plain Starlette routes: FastAPI's per-request dependency solving buys
-    # nothing for a handler that takes the raw Request (the OpenAPI document is proxy/openapi.py's own),
-    # and it sat before the first byte of every turn.
-    router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    router.add_route("/v1/messages", messages, methods=["POST"])
-
-    @router.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request) -> Response:
+    async def count_tokens(self, request: Request) -> Response:
         try:
-            turn_request = await ingest(request, services.ingress.anthropic, "count_tokens")
-            plan = await services.require_turns().plan(turn_request)
+            turn_request = await self.ingest(request, self.services.ingress.anthropic, "count_tokens")
+            plan = await self.services.require_turns().plan(turn_request)
             return json_response({"input_tokens": len(plan.prompt)})
         except ProxyError as exc:
-            return error_response(exc, anthropic_wire)
+            return error_response(exc, self.anthropic_wire)
+
+
+def turn_router(endpoints: TurnEndpoints) -> APIRouter:
+    router = APIRouter()
+    services = endpoints.services
+    # Plain Starlette routes: FastAPI's per-request dependency solving buys nothing for a handler that
+    # takes the raw Request (the OpenAPI document is proxy/openapi.py's own).
+    for path, handler in endpoints.by_path().items():
+        router.add_route(path, handler, methods=["POST"])
+    router.add_route("/v1/messages/count_tokens", endpoints.count_tokens, methods=["POST"])
 
     @router.api_route("/v1/files", methods=["GET", "POST"])
     @router.api_route("/v1/files/{rest:path}", methods=["GET", "POST", "DELETE"])
