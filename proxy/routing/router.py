@@ -70,11 +70,12 @@ class Router:
         for e in self.engines:
             if e.failures and e.live:
                 await self._confirm(e)
-        try:
-            p = await self.policy.place(req, prompt)
-        except StateUnavailable as exc:  # Redis down: place by the session's hash alone until it is back
-            log.warning("%s; placing by session hash", exc)
-            p = Placement(rendezvous(req.session.key, self.fleet.live())[0], "hash")
+        if len(self.engines) == 1:
+            # One engine: nothing to choose and no record worth keeping (a move needs a second engine,
+            # and `sent` keeps none either); this skips the policy's state reads and writes per turn.
+            p = Placement(self.engines[0], "only")
+        else:
+            p = await self._policy_place(req, prompt)
         # counted on its engine until it asks for admission (`Turn.open` calls `placed()`)
         p = replace(p, placing=p.engine.placing.add(p.engine.worst_case_blocks(len(prompt), max_tokens)))
         m = self.metrics
@@ -86,6 +87,13 @@ class Router:
         log.info("placement session=%s parent=%s engine=%s reason=%s reprefill=%d", short_id(req.session.key),
                  parent, p.engine.name, p.reason, p.reprefill_tokens)
         return p
+
+    async def _policy_place(self, req: TurnRequest, prompt: Sequence[int]) -> Placement:
+        try:
+            return await self.policy.place(req, prompt)
+        except StateUnavailable as exc:  # Redis down: place by the session's hash alone until it is back
+            log.warning("%s; placing by session hash", exc)
+            return Placement(rendezvous(req.session.key, self.fleet.live())[0], "hash")
 
     async def sent(self, session: str, placement: Placement, ids: Sequence[int]) -> None:
         """The turn ended: its engine now holds prompt + reply for the session."""
