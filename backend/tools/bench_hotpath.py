@@ -4,8 +4,9 @@ A fast local upstream in vLLM's /v1/completions stream format (one token per eve
 prompt ids echoed in the first event, compact JSON), a bare aiohttp relay (~30 lines), our pass-through
 and our chat mode, each proxy pinned to one core (the upstream and this client to the other). Prints,
 per target: added time to first byte p50/p95 over calling the upstream directly, proxy CPU per request,
-proxy CPU per token at C = 1/8/32 with a fast and an engine-paced (5 ms/token) upstream; then the
-per-event cost of parsing a 1-event read vs a 2,000-event read; then the issue's goals as pass/fail.
+proxy CPU per token at C = 1/8/32 with a fast and an engine-paced (5 ms/token) upstream (the median
+of `--rounds` rounds, targets interleaved); then the per-event cost of parsing a 1-event read vs a
+2,000-event read; then the issue's goals as pass/fail.
 
 `--base DIR` adds the same proxy from another checkout (e.g. /work/main) as targets `base-*`, measured
 in the same run: before/after on one noisy machine.
@@ -326,7 +327,11 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
         res: dict[str, Any] = {"requests": await ttfb_and_cpu(t, a.reps)}
         for pace, tokens in ((0.0, a.tokens), (5.0, a.paced_tokens)):
             for conc in (1, 8, 32):
-                res[f"tokens pace={pace:g}ms C={conc}"] = await cpu_per_token(t, conc, tokens, pace)
+                # rounds with the targets interleaved in each, the median per target: one round's figure
+                # moved by +-15 us at C=8 between two targets running the same code
+                rounds = [await cpu_per_token(t, conc, tokens, pace) for _ in range(a.rounds)]
+                res[f"tokens pace={pace:g}ms C={conc}"] = {n: statistics.median(r[n] for r in rounds)
+                                                           for n in rounds[0]}
         return res
     finally:
         t.stop()
@@ -372,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=200, help="1-token requests per target for TTFB and CPU/request")
     ap.add_argument("--tokens", type=int, default=2000, help="tokens per stream, fast upstream")
     ap.add_argument("--paced-tokens", type=int, default=400, help="tokens per stream at 5 ms/token")
+    ap.add_argument("--rounds", type=int, default=3, help="CPU-per-token rounds (the median is printed)")
     a = ap.parse_args(argv)
     res = asyncio.run(run_all(a))
     parse = parse_cost()
