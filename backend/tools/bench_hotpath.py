@@ -170,7 +170,10 @@ class Targets:
         env = dict(os.environ)
         if pythonpath is not None:
             env["PYTHONPATH"] = pythonpath
-        proc = subprocess.Popen(argv, env=env)
+        # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: another
+        # checkout's proxy must run from that checkout, or it imports this one's (it did before 2026-12-03:
+        # every `base-*` column until then measured this checkout's code twice).
+        proc = subprocess.Popen(argv, env=env, cwd=pythonpath)
         self.procs.append(proc)
         return proc
 
