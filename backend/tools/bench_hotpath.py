@@ -366,7 +366,8 @@ def _base_parse_cost(base: Path) -> dict[str, float] | None:
     code = (f"import json, runpy; m = runpy.run_path({str(Path(__file__).resolve())!r}); "
             "print(json.dumps(m['parse_cost']()))")
     env = {**os.environ, "PYTHONPATH": str(base)}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False,
+                          cwd=base)  # `-c` puts the working directory first on sys.path too
     if done.returncode != 0:
         print(f"base parse cost not measured: {done.stderr.strip()[-300:]}")
         return None
