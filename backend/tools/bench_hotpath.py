@@ -271,10 +271,11 @@ def parse_cost(events: int = 2000, reps: int = 5) -> dict[str, float]:
 
     def stream_of(reads: list[bytes]) -> Any:
         """An EventStream fed `reads` as its network reads, no socket."""
-        try:
-            from proxy.engine_http import EngineConnection
-        except ImportError:  # a checkout from before the lean engine client (`--base`): aiohttp's shape
+        import proxy.upstream
+
+        if not hasattr(proxy.upstream, "EnginePool"):  # a checkout from before the lean engine client
             return _aiohttp_stream_of(EventStream, reads)
+        from proxy.engine_http import EngineConnection
 
         class Scripted(EngineConnection):
             async def wait(self) -> None:  # the next network read arrives
