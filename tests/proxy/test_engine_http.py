@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 
 import pytest
-import pytest_asyncio
 
 from proxy.engine_http import _HIGH_WATER, EnginePool
 from proxy.errors import InvalidRequest, UpstreamError, UpstreamUnreachable
 from proxy.upstream import Upstream
-
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
 class Engine:
@@ -55,21 +52,6 @@ def sse_answer(events: int) -> bytes:
     head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
     body = b"".join(b'data: {"choices":[{"token_ids":[%d]}]}\n\n' % i for i in range(events)) + b"data: [DONE]\n\n"
     return head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
-
-
-@pytest_asyncio.fixture
-async def serve() -> AsyncIterator[Callable[[Engine], Awaitable[str]]]:
-    servers: list[asyncio.Server] = []
-
-    async def start(engine: Engine) -> str:
-        server = await asyncio.start_server(engine.handle, "127.0.0.1", 0)
-        servers.append(server)
-        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-
-    yield start
-    for server in servers:
-        server.close()
-        await server.wait_closed()
 
 
 async def read_ids(up: Upstream, body: bytes = b"{}") -> list[int]:

@@ -7,12 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 
 from proxy.errors import UpstreamError
 from proxy.upstream import Upstream
@@ -20,7 +18,8 @@ from proxy.upstream import Upstream
 
 @dataclass
 class RawServer:
-    """Answers the first `answer_per_conn` requests of each connection, then closes it unanswered."""
+    """Answers the first `answer_per_conn` requests of each connection, then closes it unanswered (served
+    by the `serve` fixture, tests/proxy/conftest.py)."""
 
     answer_per_conn: int
     connections: int = 0
@@ -54,21 +53,6 @@ class RawServer:
             pass
         finally:
             writer.close()
-
-
-@pytest_asyncio.fixture
-async def serve() -> AsyncIterator[object]:
-    servers: list[asyncio.Server] = []
-
-    async def start(raw: RawServer) -> str:
-        server = await asyncio.start_server(raw.handle, "127.0.0.1", 0)
-        servers.append(server)
-        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-
-    yield start
-    for server in servers:
-        server.close()
-        await server.wait_closed()
 
 
 @pytest.mark.asyncio
