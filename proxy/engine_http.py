@@ -8,7 +8,7 @@ costs there were measured as the largest single share of both per-request and pe
 (`bench_costs --hot-path`, chat mode): building a `ClientRequest`
 (URL, multidict headers, tracing signals, a writer task) per request, and per network read a
 `StreamReader` feed, a flow-control check, a timer re-arm and a waiter hop before our code sees the
-bytes. Here a request is one `transport.write` of prebuilt head + body, and a read is one
+bytes. Here a request is one write of a prebuilt head and the body, and a read is one
 `feed_data` into llhttp whose body callback appends to a list the reader takes whole.
 
 What it keeps from the aiohttp path: a pool of idle connections let go well before the engine's own
@@ -101,13 +101,13 @@ class EngineConnection(asyncio.Protocol):
         self._parser = None  # anything after the response is not ours to read
 
     # -- the reader's side
-    def send(self, data: bytes) -> None:
+    def send(self, head: bytes, body: bytes) -> None:
         self.reset()
         self._parser = httptools.HttpResponseParser(self)
         if self.transport is None or self.closed:
             self.error = UpstreamError("Server disconnected")
             return
-        self.transport.write(data)
+        self.transport.writelines((head, body))  # one write of both, without copying a long prompt
 
     async def wait(self) -> None:
         """Until something happens on the connection (bytes, its end, an error)."""
@@ -177,7 +177,7 @@ class EnginePool:
         while True:
             conn, reused = await self._acquire()
             try:
-                conn.send(head + body)
+                conn.send(head, body)
                 while not conn.status and conn.error is None:
                     await conn.wait()
             except BaseException:
