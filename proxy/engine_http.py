@@ -169,6 +169,7 @@ class EnginePool:
         self._fixed = f"Host: {netloc}\r\nContent-Type: application/json\r\n{auth}".encode("latin-1")
         self.keepalive_s = keepalive_s
         self._idle: list[tuple[EngineConnection, float]] = []  # most recently used last
+        self._sweep: asyncio.TimerHandle | None = None  # closes connections idle past keepalive_s
 
     async def request(self, method: str, path: str, body: bytes) -> EngineConnection:
         head = b"%s %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n" % (
@@ -209,13 +210,34 @@ class EnginePool:
         return conn, False
 
     def release(self, conn: EngineConnection) -> None:
-        if conn.reusable:
-            conn._parser = None
-            self._idle.append((conn, asyncio.get_running_loop().time()))
-        else:
+        if not conn.reusable:
             conn.close()
+            return
+        conn._parser = None
+        loop = asyncio.get_running_loop()
+        self._idle.append((conn, loop.time()))
+        if self._sweep is None:  # one timer per pool, not one per request
+            self._sweep = loop.call_later(self.keepalive_s, self._expire)
+
+    def _expire(self) -> None:
+        """Close the connections idle for `keepalive_s` (not left for the engine to drop)."""
+        self._sweep = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        keep = []
+        for conn, since in self._idle:
+            if now - since >= self.keepalive_s or conn.closed:
+                conn.close()
+            else:
+                keep.append((conn, since))
+        self._idle = keep
+        if keep:
+            self._sweep = loop.call_later(self.keepalive_s - (now - keep[0][1]), self._expire)
 
     def close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for conn, _ in self._idle:
             conn.close()
         self._idle.clear()

@@ -136,6 +136,7 @@ async def test_an_idle_connection_is_let_go_before_the_engine_would(serve) -> No
     try:
         assert await read_ids(up) == [0]
         await asyncio.sleep(0.4)
+        assert engine.eofs == 1  # closed by the pool itself, not left open until the next request
         assert await read_ids(up) == [0]
         assert engine.connections == 2 and len(engine.requests) == 2
     finally:
