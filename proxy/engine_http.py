@@ -30,7 +30,8 @@ from proxy.errors import UpstreamError, UpstreamUnreachable
 CONNECT_TIMEOUT_S = 10.0
 # Reading pauses while this much body is buffered unread (a client slower than the engine).
 _HIGH_WATER = 256 * 1024
-_REUSE_RETRIES = 2
+# How often a request that met a pooled connection the engine had just closed is sent again (both pools).
+REUSE_RETRIES = 2
 
 
 class EngineConnection(asyncio.Protocol):
@@ -190,7 +191,7 @@ class EnginePool:
             retries += 1
             # A pooled connection the engine closed as this arrived: nothing of it was read, so no
             # handler ran; sent again on a fresh connection. A fresh connection's failure is real.
-            if not reused or conn.received or retries > _REUSE_RETRIES:
+            if not reused or conn.received or retries > REUSE_RETRIES:
                 raise UpstreamError(f"upstream {self.base_url} unreachable: {conn.error}")
 
     async def _acquire(self) -> tuple[EngineConnection, bool]:
@@ -213,7 +214,6 @@ class EnginePool:
         if not conn.reusable:
             conn.close()
             return
-        conn._parser = None
         loop = asyncio.get_running_loop()
         self._idle.append((conn, loop.time()))
         if self._sweep is None:  # one timer per pool, not one per request

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from proxy.engine_http import EngineConnection, EnginePool
+from proxy.engine_http import REUSE_RETRIES, EngineConnection, EnginePool
 from proxy.errors import InvalidRequest, UpstreamError, UpstreamUnreachable
 from proxy.sse import SSEParser
 
@@ -65,7 +65,6 @@ def _drop_prompt_ids(data: bytes) -> bytes:
 KEEPALIVE_S = 3.0
 # How long the end of a response is awaited after `[DONE]` before the connection is dropped instead.
 _END_WAIT_S = 0.5
-_REUSE_RETRIES = 2
 
 
 class _Attempt:
@@ -275,7 +274,7 @@ class Upstream:
                 return await self.session.request(method, self.base_url + path, trace_request_ctx=ctx, **kwargs)
             except aiohttp.ServerDisconnectedError as exc:
                 retries += 1
-                if not ctx.reused or retries > _REUSE_RETRIES:
+                if not ctx.reused or retries > REUSE_RETRIES:
                     raise UpstreamError(f"upstream {self.base_url} unreachable: {exc}") from exc
             except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
                 raise UpstreamUnreachable(f"upstream {self.base_url} unreachable: {exc}") from exc
