@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI
 
 from proxy.app import create_app
 from proxy.format import FormatError
+from proxy.server import server_config
 from proxy.settings import Settings
 
 
@@ -35,18 +35,6 @@ def main(argv: list[str] | None = None) -> int:
     # One worker: transcripts of the embedded store live in this process (Redis lifts that limit).
     uvicorn.Server(server_config(app, settings)).run()
     return 0
-
-
-def server_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
-    """The HTTP server's settings; a client's idle connection is kept `keep_alive_s` (Settings)."""
-    return uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=False,
-        timeout_keep_alive=settings.keep_alive_s,
-    )
 
 
 if __name__ == "__main__":

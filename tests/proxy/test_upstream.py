@@ -117,13 +117,13 @@ def test_the_default_keepalive_is_below_vllms(tmp_path: Path) -> None:
 
 @pytest.mark.asyncio
 async def test_the_proxy_keeps_an_idle_client_connection_past_common_client_limits() -> None:
-    """The served config (proxy.__main__.server_config) holds an idle keep-alive connection longer
+    """The served config (proxy.server.server_config) holds an idle keep-alive connection longer
     than httpx (5 s) or undici (4 s) reuse one; uvicorn's default (5 s) would close it at 5 s."""
     import socket
 
     import uvicorn
 
-    from proxy.__main__ import server_config
+    from proxy.server import server_config
     from proxy.settings import Settings
 
     async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
