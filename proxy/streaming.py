@@ -6,6 +6,9 @@ listener as two tasks of an anyio task group per response, measured at +0.9 ms t
 the body is written from the request's own task, and one plain asyncio task waits on `receive()`; a
 client that leaves cancels the writing at once (mid-stream, or while the body waits for admission or
 its first token), so the body generator's `finally` runs and the engine request is aborted.
+
+A body's last bytes may come as `LastChunk` (proxy/wire): they go out with the end of the response (the chunked
+terminator) in one write, not two (a turn's finish, usage and `[DONE]` are one `LastChunk`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from collections.abc import AsyncIterator, Mapping
 
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
+
+from proxy.wire import LastChunk
 
 
 class StreamedResponse(Response):
@@ -47,8 +52,12 @@ class StreamedResponse(Response):
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk in body:
+                if type(chunk) is LastChunk:
+                    await send(_body(chunk, False))
+                    break
                 await send(_body(chunk, True))
-            await send(_body(b"", False))
+            else:
+                await send(_body(b"", False))
         except asyncio.CancelledError:
             if not gone:
                 raise  # the server is shutting down: not ours to swallow

@@ -18,11 +18,19 @@ if TYPE_CHECKING:
     from proxy.turn import Turn
 
 
+class LastChunk(bytes):
+    """A stream's last bytes (a turn's end and `[DONE]`): the server sends them with the end of the
+    response in one write (proxy/streaming.py), and nothing is read from the stream after them."""
+
+    __slots__ = ()
+
+
 class Wire(Protocol):
     route: str  # the metrics label of its endpoint
 
     def stream(self, turn: Turn) -> AsyncIterator[bytes]:
-        """The whole streamed body; a failure after the status line ends it with the wire's error event."""
+        """The whole streamed body, its end as one `LastChunk`; a failure after the status line ends it
+        with the wire's error event."""
         ...
 
     async def complete(self, turn: Turn) -> dict[str, Any]:

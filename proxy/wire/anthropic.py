@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from proxy.errors import InvalidRequest, ProxyError
 from proxy.format.base import Delta, DeltaKind
 from proxy.reply import DeltaEvent, FinalEvent, Usage
+from proxy.wire import LastChunk
 
 if TYPE_CHECKING:
     from proxy.turn import Turn
@@ -331,13 +332,18 @@ class AnthropicWire:
         stream = MessageStream(self.model_name, len(turn.prompt))
         try:
             yield stream.start()
+            last = b""
             async for ev in turn.events():
-                # One write per upstream read: its events joined, not one ASGI send per event.
-                out = b"".join(stream.deltas(ev.deltas) if isinstance(ev, DeltaEvent) else stream.end(ev))
-                if out:
-                    yield out
+                if isinstance(ev, DeltaEvent):
+                    # One write per upstream read: its events joined, not one ASGI send per event.
+                    out = b"".join(stream.deltas(ev.deltas))
+                    if out:
+                        yield out
+                else:  # the end leaves in one write with the response's end, after the events ended
+                    last = b"".join(stream.end(ev))
+            yield LastChunk(last)
         except ProxyError as exc:
-            yield error_event(exc)
+            yield LastChunk(error_event(exc))
         finally:
             turn.close()  # also when the client left before the first event
 

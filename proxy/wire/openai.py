@@ -20,6 +20,7 @@ import msgspec
 from proxy.errors import ProxyError
 from proxy.format.base import Delta, DeltaKind
 from proxy.reply import DeltaEvent, Usage
+from proxy.wire import LastChunk
 
 if TYPE_CHECKING:
     from proxy.turn import Turn
@@ -190,21 +191,23 @@ class OpenAIWire:
         try:
             # Early: harness watchdogs count the time to the first byte.
             yield writer.role(turn.prompt if ids_out else None)
+            last = b""
             async for event in turn.events():
                 if isinstance(event, DeltaEvent):
                     chunk = writer.deltas(event.deltas, event.logprobs)
                     if chunk:
                         yield chunk
                     continue
-                if event.tail:
-                    yield writer.deltas(event.tail)
-                yield writer.finish(event.finish, event.generated if ids_out else None, event.logprobs)
+                # The turn's end leaves in one write with [DONE] and the response's end, once the
+                # events have ended (their own bookkeeping runs after the final one).
+                parts = [writer.deltas(event.tail)] if event.tail else []
+                parts.append(writer.finish(event.finish, event.generated if ids_out else None, event.logprobs))
                 if chat.include_usage:
-                    yield writer.usage(usage_dict(event.usage))
-            yield DONE
+                    parts.append(writer.usage(usage_dict(event.usage)))
+                last = b"".join(parts)
+            yield LastChunk(last + DONE)
         except ProxyError as exc:
-            yield writer.error(exc.message, exc.type)
-            yield DONE
+            yield LastChunk(writer.error(exc.message, exc.type) + DONE)
         finally:
             turn.close()  # also when the client left before the first event
 
