@@ -67,6 +67,12 @@ class Ticket(Protocol):
 
 
 class Admission(Protocol):
+    def try_acquire(self, footprint: Footprint) -> Ticket | None:
+        """The ticket at once if the request may start now (nothing waits ahead of it, room now);
+        None: `acquire` decides. Never waits, never refuses. The check before the change: a turn
+        admitted here is opened inline, with no task holding its client through a wait."""
+        ...
+
     async def acquire(self, footprint: Footprint) -> Ticket:
         """Wait until the request may start; raise a ProxyError (429/503) to refuse it."""
         ...
@@ -86,5 +92,8 @@ class OpenTicket:
 
 
 class NoAdmission:
+    def try_acquire(self, footprint: Footprint) -> Ticket | None:
+        return OpenTicket()
+
     async def acquire(self, footprint: Footprint) -> Ticket:
         return OpenTicket()

@@ -39,9 +39,14 @@ async def serve_turn(services: Services, request: Request, turn_request: TurnReq
     prepared = await turns.prepare(turn_request)  # planned and placed: the engine is known from here
     placement = prepared[1]
     headers = {ENGINE_HEADER: placement.engine.name} if placement is not None else {}
-    held = await hold(turns.open(turn_request, prepared), stream=turn_request.chat.stream,
-                      is_disconnected=request.is_disconnected, after_s=cfg.keepalive_after_s,
-                      every_s=cfg.keepalive_every_s)
+    ticket = turns.admit_now(turn_request, prepared)
+    held: Turn | Queued[Turn]
+    if ticket is not None:  # a seat at once: opened inline, with no task holding the client through a wait
+        held = await turns.open(turn_request, prepared, ticket=ticket)
+    else:
+        held = await hold(turns.open(turn_request, prepared), stream=turn_request.chat.stream,
+                          is_disconnected=request.is_disconnected, after_s=cfg.keepalive_after_s,
+                          every_s=cfg.keepalive_every_s)
     if isinstance(held, Turn) and held.placement is not None:  # placed again if its engine was unreachable
         headers = {ENGINE_HEADER: held.placement.engine.name}
     if isinstance(held, Queued):  # still waiting for engine capacity: SSE comments until admitted

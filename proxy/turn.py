@@ -65,17 +65,23 @@ class TurnService:
                      if self.router is not None else None)
         return plan, placement
 
+    def admit_now(self, req: TurnRequest, prepared: tuple[Plan, Placement | None]) -> Ticket | None:
+        """The turn's seat at once if its engine has room and nobody waits (the common case: `open` it
+        with this ticket, inline); None: `open` waits for one."""
+        plan, placement = prepared
+        admission = placement.engine.admission if placement is not None else self.admission
+        return admission.try_acquire(_footprint(req, plan))
+
     async def open(self, req: TurnRequest, prepared: tuple[Plan, Placement | None] | None = None, *,
-                   replaced: bool = False) -> Turn:
+                   ticket: Ticket | None = None, replaced: bool = False) -> Turn:
+        """Admission (unless `ticket` is the seat `admit_now` gave), then the engine's stream."""
         plan, placement = prepared or await self.prepare(req)
         upstream = placement.engine.upstream if placement is not None else self.upstream
         admission = placement.engine.admission if placement is not None else self.admission
-        foot = Footprint(session=req.session.key, prompt_tokens=len(plan.prompt), max_tokens=plan.max_tokens,
-                         reused_tokens=len(plan.parent.ids) if plan.parent else 0, priority=req.priority,
-                         prompt=plan.prompt)
         if placement is not None:
             placement.placed()
-        ticket = await admission.acquire(foot)
+        if ticket is None:
+            ticket = await admission.acquire(_footprint(req, plan))
         try:
             stream = await upstream.open_events("/v1/completions", await self._payload(plan, upstream))
         except BaseException as exc:
@@ -165,6 +171,12 @@ class TurnService:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _footprint(req: TurnRequest, plan: Plan) -> Footprint:
+    return Footprint(session=req.session.key, prompt_tokens=len(plan.prompt), max_tokens=plan.max_tokens,
+                     reused_tokens=len(plan.parent.ids) if plan.parent else 0, priority=req.priority,
+                     prompt=plan.prompt)
 
 
 class ArgumentsGate:

@@ -64,10 +64,14 @@ class AdmissionQueue:
     def served(self, w: Waiter) -> None:
         """Take `w` out as admitted and stamp its session as just served."""
         if self.remove(w):
-            self._last_served[w.session] = next(self._clock)
-            self._last_served.move_to_end(w.session)
-            while len(self._last_served) > _LAST_SERVED_CAP:
-                self._last_served.popitem(last=False)
+            self.stamp_served(w.session)
+
+    def stamp_served(self, session: str) -> None:
+        """`session` was just served (also when its request was admitted without waiting here)."""
+        self._last_served[session] = next(self._clock)
+        self._last_served.move_to_end(session)
+        while len(self._last_served) > _LAST_SERVED_CAP:
+            self._last_served.popitem(last=False)
 
     def in_order(self, running: Mapping[str, int]) -> Iterator[Waiter]:
         """Every waiter in service order; the first is the head of the queue."""

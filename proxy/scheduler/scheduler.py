@@ -362,19 +362,35 @@ class Scheduler:
         per_seat = self._mean_hold_s * (len(self.queue) + 1) / max(1, self.running)
         return int(min(300, max(1, math.ceil(per_seat))))
 
+    def _waiter(self, footprint: Footprint) -> Waiter:
+        g = self.geometry
+        hashes: list[bytes] = []
+        if g is not None and g.shares_prefixes:
+            hashes = prefix_hashes(footprint.prompt, g.block_size)
+        blocks = worst_case_blocks(footprint, g) if g is not None else 0
+        return Waiter(footprint.session, footprint.priority, blocks, hashes, time.monotonic(),
+                      asyncio.get_running_loop().create_future(), out_tokens=max(0, footprint.max_tokens))
+
+    def try_acquire(self, footprint: Footprint) -> Ticket | None:
+        """Admitted at once when the queue is empty and the request fits now: what `acquire` would
+        grant without waiting (the queue's head is this request), without going through the queue."""
+        if not self.config.enabled:
+            return OpenTicket()
+        if self.geometry is None or len(self.queue):
+            return None
+        w = self._waiter(footprint)
+        if not self.can_admit(w):
+            return None
+        self.queue.stamp_served(w.session)
+        return self._admit(w, "head")
+
     async def acquire(self, footprint: Footprint) -> Ticket:
         if not self.config.enabled:
             return OpenTicket()
         if self.geometry is None:
             await self.refresh()
         p = footprint.priority
-        g = self.geometry
-        hashes: list[bytes] = []
-        if g is not None and g.shares_prefixes:
-            hashes = prefix_hashes(footprint.prompt, g.block_size)
-        blocks = worst_case_blocks(footprint, g) if g is not None else 0
-        w = Waiter(footprint.session, p, blocks, hashes, time.monotonic(), asyncio.get_running_loop().create_future(),
-                   out_tokens=max(0, footprint.max_tokens))
+        w = self._waiter(footprint)
         self.queue.push(w)
         self._pump()
         if w.future.done():

@@ -136,6 +136,48 @@ async def test_never_over_admits_random_load() -> None:
     assert peak > 32  # the pool was actually contended
 
 
+async def test_try_acquire_admits_only_what_acquire_would_grant_at_once() -> None:
+    """The route's fast path (try_acquire, else acquire): the same invariants under random load, a
+    seat at once only when nothing waits, and never ahead of a waiter that does not fit."""
+    s = sched(blocks=10, block=10, seats=3)
+    first = s.try_acquire(foot("a", 60))
+    assert isinstance(first, SeatTicket) and s.running == 1 and s.used_blocks == 6
+    assert s.try_acquire(foot("b", 50)) is None  # does not fit now: acquire would queue it
+    waiting = asyncio.ensure_future(s.acquire(foot("b", 50)))
+    await settle()
+    assert len(s.queue) == 1
+    assert s.try_acquire(foot("c", 10)) is None  # it would fit, but b waits ahead of it
+    first.release()
+    await settle()
+    second = waiting.result()
+    assert s.running == 1 and s.used_blocks == 5 and len(s.queue) == 0
+    third = s.try_acquire(foot("c", 10))
+    assert isinstance(third, SeatTicket) and s.running == 2
+    second.release()
+    third.release()
+    assert s.running == 0 and s.used_blocks == 0
+
+    rng = random.Random(5)
+    s = sched(blocks=64, block=16, seats=6, reserve_fraction=0.1, reserve_seats=1)
+    fast = 0
+
+    async def one(i: int) -> None:
+        nonlocal fast
+        f = foot(f"s{i % 5}", rng.randint(1, 900), rng.randint(0, 200),
+                 rng.choice(["interactive", "subagent", "background"]))
+        t = s.try_acquire(f)
+        fast += t is not None
+        t = t or await s.acquire(f)
+        assert s.running <= 6
+        assert s.used_blocks <= 64 or s.running == 1
+        await asyncio.sleep(rng.random() * 0.01)
+        t.release()
+
+    await asyncio.gather(*(one(i) for i in range(120)))
+    assert s.running == 0 and s.used_blocks == 0 and len(s.queue) == 0
+    assert 0 < fast < 120  # both paths were taken
+
+
 async def test_reserve_keeps_room_for_the_main_agent() -> None:
     s = sched(blocks=100, block=10, seats=4, reserve_fraction=0.2, reserve_seats=1)
     subs = [await s.acquire(foot("sub", 390)) for _ in range(2)]  # 39 blocks each, of the 80 allowed
