@@ -79,12 +79,21 @@ class QuirkLog:
         self.applied = Counter(
             "hh_quirks_applied", "Request quirks handled, by name", ["quirk"], registry=registry
         )
+        self._children: dict[tuple[Counter, tuple[str, ...]], Any] = {}
 
     def add(self, info: RequestInfo) -> None:
         self.recent.append(info)
-        self.requests.labels(info.harness, info.session.source, info.priority.label).inc()
+        self._child(self.requests, info.harness, info.session.source, info.priority.label).inc()
         for name in info.quirks:
-            self.applied.labels(name).inc()
+            self._child(self.applied, name).inc()
+
+    def _child(self, family: Counter, *values: str) -> Any:
+        """`family.labels(*values)`, kept: every request asks for two or more, and `labels()` checks,
+        hashes and locks each time. Bounded: every label here takes a few known values."""
+        got = self._children.get((family, values))
+        if got is None:
+            got = self._children[(family, values)] = family.labels(*values)
+        return got
 
 
 def identify_harness(headers: Mapping[str, str]) -> str:

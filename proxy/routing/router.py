@@ -18,6 +18,7 @@ import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -48,6 +49,14 @@ class RoutingMetrics:
                                  ["engine"], registry=r)
         self.engine_up = Gauge("hh_engine_up", "1 while the engine passes its health checks", ["engine"],
                                registry=r)
+        self._children: dict[tuple[Counter, tuple[str, ...]], Any] = {}
+
+    def child(self, family: Counter, *values: str) -> Any:
+        """`family.labels(*values)`, kept (as proxy/metrics.py's `Metrics.child`: one per turn here)."""
+        got = self._children.get((family, values))
+        if got is None:
+            got = self._children[(family, values)] = family.labels(*values)
+        return got
 
 
 class Router:
@@ -70,22 +79,24 @@ class Router:
         for e in self.engines:
             if e.failures and e.live:
                 await self._confirm(e)
+        # The placement is counted on its engine until it asks for admission (`Turn.open` calls `placed()`).
         if len(self.engines) == 1:
             # One engine: nothing to choose and no record worth keeping (a move needs a second engine,
             # and `sent` keeps none either); this skips the policy's state reads and writes per turn.
-            p = Placement(self.engines[0], "only")
+            e = self.engines[0]
+            p = Placement(e, "only", placing=e.placing.add(e.worst_case_blocks(len(prompt), max_tokens)))
         else:
             p = await self._policy_place(req, prompt)
-        # counted on its engine until it asks for admission (`Turn.open` calls `placed()`)
-        p = replace(p, placing=p.engine.placing.add(p.engine.worst_case_blocks(len(prompt), max_tokens)))
+            p = replace(p, placing=p.engine.placing.add(p.engine.worst_case_blocks(len(prompt), max_tokens)))
         m = self.metrics
-        m.placements.labels(p.engine.name, p.reason).inc()
+        m.child(m.placements, p.engine.name, p.reason).inc()
         if p.moved_from is not None:
             m.moves.labels(p.moved_from, p.engine.name).inc()
             m.reprefill.labels(p.engine.name).inc(p.reprefill_tokens)
-        parent = short_id(f"h:{req.parent}") if req.parent else "-"
-        log.info("placement session=%s parent=%s engine=%s reason=%s reprefill=%d", short_id(req.session.key),
-                 parent, p.engine.name, p.reason, p.reprefill_tokens)
+        if log.isEnabledFor(logging.INFO):  # its two hashes are not computed for a log nobody keeps
+            parent = short_id(f"h:{req.parent}") if req.parent else "-"
+            log.info("placement session=%s parent=%s engine=%s reason=%s reprefill=%d",
+                     short_id(req.session.key), parent, p.engine.name, p.reason, p.reprefill_tokens)
         return p
 
     async def _policy_place(self, req: TurnRequest, prompt: Sequence[int]) -> Placement:
