@@ -19,7 +19,7 @@ from typing import Any, Literal
 from proxy import quirks
 from proxy.admission import Priority
 from proxy.errors import NotFound
-from proxy.normalize import NormalizedChat, normalize, tools_key
+from proxy.normalize import NormalizedChat, ToolsSeen, normalize
 from proxy.protocol import check_anthropic_request, parse_chat_request
 from proxy.sessions import SessionIdentity, dsh_log_ids, identify, parent_of
 from proxy.wire.anthropic import to_chat_request
@@ -53,6 +53,7 @@ class Ingress:
         self.quirk_log = quirk_log
         self.default_thinking = default_thinking
         self.model = model  # the only model name accepted (Settings.limits.strict_model); None: any
+        self.tools_seen = ToolsSeen()
 
     def openai(self, body: dict[str, Any], headers: Mapping[str, str], *, max_model_len: int,
                route: str = "chat") -> TurnRequest:
@@ -83,10 +84,10 @@ class Ingress:
         if quirks.whole_context_max_tokens(body, max_model_len):
             applied.append("whole_context_max_tokens")
         req = parse_chat_request(body)
-        chat = normalize(req, body)
+        chat = normalize(req, body, self.tools_seen)
         if any(isinstance(m, dict) and m.get("role") == "developer" for m in chat.messages):
             applied.append("developer_role")  # folded into system by the renderer (proxy/format/normalize.py)
-        tkey = tools_key(chat.tools)
+        tkey = chat.tools_key
         session = identify(hdrs, body, chat.messages, tkey, log_ids)
         if session.explicit and quirks.is_summary_request(body):
             # DSH sends its title request under the session's own prompt_cache_key, Pi its summary under

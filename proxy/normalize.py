@@ -13,10 +13,12 @@ tolerant comparison of histories lives in proxy/transcripts.py (`message_key`).
 
 from __future__ import annotations
 
-import json
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from proxy import constraints
 from proxy.constraints import ToolChoice
@@ -56,6 +58,7 @@ class NormalizedChat:
     return_token_ids: bool = False  # vLLM's extension: prompt_token_ids / token_ids in the response
     logprobs: int | None = None  # top_logprobs count when the client asked for logprobs
     parallel_tool_calls: bool = True
+    tools_key: str = "[]"  # `tools_key(tools)`: the transcript context's and the session fingerprint's
 
 
 def stable_tool_definitions(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -71,8 +74,30 @@ def stable_tool_definitions(tools: list[dict[str, Any]] | None) -> list[dict[str
 
 
 def tools_key(tools: list[dict[str, Any]] | None) -> str:
-    """Canonical serialization of tool definitions: sorted keys, compact, so re-ordered keys match."""
-    return json.dumps(tools or [], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """Canonical serialization of tool definitions: sorted keys, compact, so re-ordered keys match.
+
+    msgspec's sorted encoding, not `json.dumps(sort_keys=True)`: the same text but for exponents
+    (`1e16`, not `1e+16`), 8x faster (58 vs 473 us for a coding harness's 30 KB of tools, every turn)."""
+    return msgspec.json.encode(tools or [], order="sorted").decode()
+
+
+class ToolsSeen:
+    """Tool sets whose schemas passed `constraints.check_tool_schemas`, by `tools_key`: a harness sends
+    the same tools every turn, and checking a coding harness's 20 schemas costs 340 us each time; a
+    set seen before costs a lookup. The least recently seen go past `keep` (a few per harness)."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self.keep = keep
+        self._passed: OrderedDict[str, None] = OrderedDict()
+
+    def check(self, tools: list[dict[str, Any]] | None, key: str) -> None:
+        if key in self._passed:
+            self._passed.move_to_end(key)
+            return
+        constraints.check_tool_schemas(tools)  # raises the 400 naming the tool
+        self._passed[key] = None
+        if len(self._passed) > self.keep:
+            self._passed.popitem(last=False)
 
 
 def template_kwargs(req: ChatRequest) -> dict[str, Any]:
@@ -153,12 +178,17 @@ def cap_max_tokens(requested: int | None, prompt_tokens: int, max_model_len: int
     return max(requested, 1)
 
 
-def normalize(req: ChatRequest, body: Mapping[str, Any]) -> NormalizedChat:
+def normalize(req: ChatRequest, body: Mapping[str, Any], seen: ToolsSeen | None = None) -> NormalizedChat:
     """`req` is `body` validated; messages and tools are taken from `body` as sent (no re-dump of a
-    100K-token history), since the renderer applies vLLM's message preprocessing itself."""
+    100K-token history), since the renderer applies vLLM's message preprocessing itself. `seen`: the
+    tool sets already checked (the ingress keeps one), else every set is checked."""
     messages = list(body["messages"])
     tools = stable_tool_definitions(list(body["tools"]) if req.tools else None)
-    constraints.check_tool_schemas(tools)
+    key = tools_key(tools)
+    if seen is not None:
+        seen.check(tools, key)
+    else:
+        constraints.check_tool_schemas(tools)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     choice = constraints.tool_choice(req.tool_choice, tools)
@@ -181,4 +211,5 @@ def normalize(req: ChatRequest, body: Mapping[str, Any]) -> NormalizedChat:
         return_token_ids=(req.model_extra or {}).get("return_token_ids") is True,
         logprobs=sampling.get("logprobs"),
         parallel_tool_calls=req.parallel_tool_calls is not False,
+        tools_key=key,
     )

@@ -41,6 +41,66 @@ def test_stable_tool_definitions_and_key() -> None:
     assert stable_tool_definitions([]) is None
 
 
+def test_tools_key_is_the_canonical_json_text() -> None:
+    """Sorted keys, compact, UTF-8 as is: the text `json.dumps(sort_keys=True)` wrote (floats aside,
+    whose exponents lose their `+`), so keys stored before the faster encoder still match."""
+    import json
+    import random
+
+    rng = random.Random(7)
+
+    def value(depth: int) -> object:
+        kind = rng.randrange(7 if depth < 4 else 4)
+        if kind == 0:
+            return rng.choice(["", "é\u2028", "\x00\x1f\"\\/", "ascii", "日本"])
+        if kind == 1:
+            return rng.randint(-2**70, 2**70)
+        if kind == 2:
+            return rng.choice([True, False, None, 0.5, -1.25, 100.0])
+        if kind == 3:
+            return rng.randint(0, 9)
+        if kind == 4:
+            return [value(depth + 1) for _ in range(rng.randrange(4))]
+        return {rng.choice(["b", "a", "Z", "é", "properties", "type"]) + str(i): value(depth + 1)
+                for i in range(rng.randrange(5))}
+
+    for _ in range(300):
+        tools = [{"type": "function", "function": value(0)} for _ in range(rng.randrange(1, 4))]
+        assert tools_key(tools) == json.dumps(tools, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    assert tools_key(None) == "[]"
+
+
+def test_a_tool_set_is_checked_once_and_a_bad_one_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    from proxy import constraints
+    from proxy.normalize import ToolsSeen
+
+    checked: list[int] = []
+    real = constraints.check_tool_schemas
+
+    def counting(tools):  # type: ignore[no-untyped-def]
+        checked.append(len(tools or ()))
+        real(tools)
+
+    monkeypatch.setattr(constraints, "check_tool_schemas", counting)
+    good = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    bad = [{"type": "function", "function": {"name": "g", "parameters": {"type": "string", "pattern": "(("}}}]
+    seen = ToolsSeen(keep=2)
+    for _ in range(3):
+        normalize(req(tools=good), body_of(tools=good), seen)
+    assert checked == [1]  # the same set, three turns: checked once
+    for _ in range(2):
+        with pytest.raises(InvalidRequest, match="tools.0.function.parameters"):
+            normalize(req(tools=bad), body_of(tools=bad), seen)
+    assert checked == [1, 1, 1]  # a refused set is never remembered as passed
+    others = [[{"type": "function", "function": {"name": n}}] for n in ("a", "b")]
+    for tools in others:
+        normalize(req(tools=tools), body_of(tools=tools), seen)
+    normalize(req(tools=good), body_of(tools=good), seen)
+    assert checked == [1, 1, 1, 1, 1, 1]  # `good` fell out past keep=2 and was checked again
+    assert normalize(req(tools=good), body_of(tools=good), seen).tools_key == tools_key(
+        stable_tool_definitions(good))
+
+
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
