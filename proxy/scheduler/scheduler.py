@@ -39,7 +39,7 @@ from proxy.admission import Footprint, OpenTicket, Priority, Ticket
 from proxy.settings import EngineGeometry, SchedulerConfig
 
 from .errors import QueueFull, QueueTimeout
-from .footprint import PrefixIndex, RecentPrefixes, prefix_hashes, worst_case_blocks
+from .footprint import PrefixIndex, PromptChains, RecentPrefixes, worst_case_blocks
 from .metrics import SchedulerMetrics
 from .pool import LiveGauges, PoolGeometry, read_metrics
 from .queue import AdmissionQueue, Waiter
@@ -96,6 +96,7 @@ class Scheduler:
         self._read = read_metrics_text
         self.queue = AdmissionQueue()
         self._prefix = PrefixIndex()
+        self._chains = PromptChains()  # each session's last prompt chain: a turn hashes its new blocks only
         self._private = 0  # blocks held by admitted requests outside the shared index
         self._running: dict[str, int] = {}  # session -> admitted requests
         self._live: set[SeatTicket] = set()  # the admitted tickets (their progress bounds the future)
@@ -188,7 +189,7 @@ class Scheduler:
         already hold and are counted)."""
         hit = self._recent.cached_prefix(w.hashes, self._prefix.shared_prefix(w.hashes), self._prefix,
                                          self._admitted_total)
-        return hit, sum(1 for h in w.hashes[:hit] if h in self._prefix)
+        return hit, self._prefix.held(w.hashes[:hit])
 
     def need(self, w: Waiter) -> int:
         """Blocks `w` would add now: its worst case less the prompt blocks already counted."""
@@ -253,11 +254,7 @@ class Scheduler:
         cost = self._block_cost()
         need = w.blocks - held * cost if self.geometry is not None else 0
         shared = list(w.hashes[:hit])
-        for h in shared:  # held ones gain a reference; recently freed ones are counted once from now on
-            if h in self._prefix:
-                self._prefix.acquire((h,))
-            else:
-                self._prefix.materialize((h,))
+        self._prefix.take(shared)  # held ones gain a reference; recently freed ones are counted once from now on
         private = need - (hit - held) * cost
         ticket = SeatTicket(self, w.session, w.priority, private, tuple(w.hashes), shared, time.monotonic(),
                             backfilled=how == "backfill", added=need, out_tokens=w.out_tokens)
@@ -366,7 +363,7 @@ class Scheduler:
         g = self.geometry
         hashes: list[bytes] = []
         if g is not None and g.shares_prefixes:
-            hashes = prefix_hashes(footprint.prompt, g.block_size)
+            hashes = self._chains.hashes(footprint.session, footprint.prompt, g.block_size)
         blocks = worst_case_blocks(footprint, g) if g is not None else 0
         return Waiter(footprint.session, footprint.priority, blocks, hashes, time.monotonic(),
                       asyncio.get_running_loop().create_future(), out_tokens=max(0, footprint.max_tokens))

@@ -27,6 +27,7 @@ from proxy.scheduler import (
     read_metrics,
     worst_case_blocks,
 )
+from proxy.scheduler import footprint as footprint_mod
 from proxy.scheduler.footprint import PrefixIndex, prefix_hashes
 from proxy.scheduler.hold import KEEPALIVE, ClientGone
 from proxy.settings import EngineGeometry, SchedulerConfig, Settings
@@ -134,6 +135,49 @@ async def test_never_over_admits_random_load() -> None:
     await asyncio.gather(*(one(i) for i in range(120)))
     assert s.running == 0 and s.used_blocks == 0 and len(s.queue) == 0
     assert peak > 32  # the pool was actually contended
+
+
+def test_prompt_chains_reuse_a_sessions_blocks_and_equal_a_full_hash() -> None:
+    """A session's next prompt hashes only past the blocks it shares with the last one; whatever the
+    two prompts do (extend, part mid-block, shrink, change block size), the chain is the full hash."""
+    from array import array
+
+    from proxy.scheduler.footprint import PromptChains
+
+    rng = random.Random(11)
+    chains = PromptChains(max_tokens=10_000)
+    prompt = array("I", (rng.randrange(50_000) for _ in range(1000)))
+    for step in range(60):
+        kind = step % 5
+        if kind == 0:  # the next turn: the transcript plus new tokens
+            prompt = prompt + array("I", (rng.randrange(50_000) for _ in range(rng.randrange(1, 300))))
+        elif kind == 1:  # an edit inside the history: the chain parts there
+            prompt = array("I", prompt)  # a new array: a hashed prompt is never changed in place
+            prompt[rng.randrange(len(prompt))] ^= 1
+        elif kind == 2:  # a shorter prompt (a rewind)
+            prompt = prompt[: rng.randrange(1, len(prompt))]
+        block = 16 if kind != 3 else 32
+        got = chains.hashes("s", prompt if kind != 4 else list(prompt), block)
+        assert got == prefix_hashes(prompt, block), step
+    calls: list[int] = []
+    real = footprint_mod.hashlib.blake2b
+
+    def counting(data: bytes, **kw: object) -> object:
+        calls.append(len(data))
+        return real(data, **kw)  # type: ignore[arg-type]
+
+    footprint_mod.hashlib.blake2b = counting  # type: ignore[assignment]
+    try:
+        longer = prompt + array("I", range(64))
+        chains.hashes("s", prompt, 16)
+        calls.clear()
+        chains.hashes("s", longer, 16)
+        assert len(calls) <= 5  # the new blocks only, not the ~60 before them
+    finally:
+        footprint_mod.hashlib.blake2b = real  # type: ignore[assignment]
+    for i in range(30):  # bounded by the tokens it refers to
+        chains.hashes(f"other-{i}", prompt, 16)
+    assert len(chains) * len(prompt) <= 10_000 + len(prompt)
 
 
 async def test_try_acquire_admits_only_what_acquire_would_grant_at_once() -> None:
