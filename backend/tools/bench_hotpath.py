@@ -5,8 +5,10 @@ prompt ids echoed in the first event, compact JSON), a bare aiohttp relay (~30 l
 and our chat mode, each proxy pinned to one core (the upstream and this client to the other). Prints,
 per target: added time to first byte p50/p95 over calling the upstream directly, proxy CPU per request,
 proxy CPU per token at C = 1/8/32 with a fast and an engine-paced (5 ms/token) upstream (the median
-of `--rounds` rounds, targets interleaved); then the per-event cost of parsing a 1-event read vs a
-2,000-event read; then the issue's goals as pass/fail.
+of `--rounds` rounds, targets interleaved); agent-shaped turns (backend/tools/hotpath_agent.py: 30 KB of
+tools, a 100+ KB body, each turn extending its session's transcript): time to the first token and CPU
+per turn beside the bare relay passing a request of the same size; then the per-event cost of parsing
+a 1-event read vs a 2,000-event read; then the issue's goals as pass/fail.
 
 `--base DIR` adds the same proxy from another checkout (e.g. /work/main) as targets `base-*`, measured
 in the same run: before/after on one noisy machine.
@@ -35,6 +37,7 @@ from aiohttp import web
 from backend.runtime import proxy_argv
 from backend.tools.bench_costs import _cpu_seconds as _cpu_ticks
 from backend.tools.bench_costs import _free_port, _wait
+from backend.tools.hotpath_agent import agent_turns
 from proxy.settings import Settings, UpstreamConfig
 
 
@@ -329,6 +332,8 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
     try:
         await t.start()
         res: dict[str, Any] = {"requests": await ttfb_and_cpu(t, a.reps)}
+        if a.agent_turns:
+            res["agent"] = await agent_turns(t, _cpu_seconds, turns=a.agent_turns)
         for pace, tokens in ((0.0, a.tokens), (5.0, a.paced_tokens)):
             for conc in (1, 8, 32):
                 # rounds with the targets interleaved in each, the median per target: one round's figure
@@ -383,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=2000, help="tokens per stream, fast upstream")
     ap.add_argument("--paced-tokens", type=int, default=400, help="tokens per stream at 5 ms/token")
     ap.add_argument("--rounds", type=int, default=3, help="CPU-per-token rounds (the median is printed)")
+    ap.add_argument("--agent-turns", type=int, default=25,
+                    help="turns per agent-shaped session (3 sessions; 0 skips them)")
     a = ap.parse_args(argv)
     res = asyncio.run(run_all(a))
     parse = parse_cost()
@@ -393,6 +400,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n:<12} {row['ttfb_added_p50_ms']:13.3f} {row['ttfb_added_p95_ms']:13.3f} "
                   f"{row['cpu_ms_per_request']:15.3f}")
     print(f"direct TTFB p50 {res['requests']['direct']['ttfb_p50_ms']:.3f} ms\n")
+    if "agent" in res:
+        d = res["agent"]["direct"]
+        print(f"agent-shaped turns (spliced; body up to {d['body_kb']:.0f} KB, {d['prompt_tokens']} prompt tokens)")
+        print(f"{'target':<12} {'TTFT +p50 ms':>13} {'CPU/turn ms':>12}")
+        for n, row in res["agent"].items():
+            if n != "direct":
+                print(f"{n:<12} {row['ttfb_added_p50_ms']:13.3f} {row['cpu_ms_per_turn']:12.3f}")
+        print(f"direct TTFT p50 {d['ttfb_p50_ms']:.3f} ms (a prompt of the same length)\n")
     rows = [k for k in res if k.startswith("tokens")]
     names = list(res[rows[0]])
     print("CPU per token, us " + " ".join(f"{n:>11}" for n in names))
