@@ -1,8 +1,9 @@
 """The proxy's hot path side by side in one run (issue 28); `bench_costs --hot-path` runs it too.
 
 A fast local upstream in vLLM's /v1/completions stream format (one token per event, `token_ids`, the
-prompt ids echoed in the first event, compact JSON), a bare aiohttp relay (~30 lines), our pass-through
-and our chat mode, each proxy pinned to one core (the upstream and this client to the other). Prints,
+prompt ids echoed in the first event, compact JSON), a bare aiohttp relay (~30 lines), the floor of any
+proxy (a uvloop byte pipe: what one more process on the path costs at least), our pass-through and
+our chat mode, each proxy pinned to one core (the upstream and this client to the other). Prints,
 per target: added time to first byte p50/p95 over calling the upstream directly, proxy CPU per request,
 proxy CPU per token at C = 1/8/32 with a fast and an engine-paced (5 ms/token) upstream (the median
 of `--rounds` rounds, targets interleaved); agent-shaped turns (backend/tools/hotpath_agent.py: 30 KB of
@@ -37,7 +38,6 @@ from aiohttp import web
 from backend.runtime import proxy_argv
 from backend.tools.bench_costs import _cpu_seconds as _cpu_ticks
 from backend.tools.bench_costs import _free_port, _wait
-from backend.tools.hotpath_agent import agent_turns
 from proxy.settings import Settings, UpstreamConfig
 
 
@@ -144,6 +144,52 @@ def bare_relay_main(port: int, upstream: str) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
+def floor_relay_main(port: int, upstream_port: int) -> None:
+    """The floor of one more process on the path: each client connection piped byte for byte to one
+    upstream connection (uvloop, no HTTP parsing, nothing copied but what the sockets need)."""
+    import uvloop
+
+    class Up(asyncio.Protocol):
+        def __init__(self, down: asyncio.Transport) -> None:
+            self.down = down
+
+        def data_received(self, data: bytes) -> None:
+            self.down.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.down.close()
+
+    class Down(asyncio.Protocol):
+        up: asyncio.Transport | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport: asyncio.Transport = transport  # type: ignore[assignment]
+            self.pending: list[bytes] = []
+            asyncio.get_running_loop().create_task(self.open())
+
+        async def open(self) -> None:
+            up, _ = await asyncio.get_running_loop().create_connection(
+                lambda: Up(self.transport), "127.0.0.1", upstream_port)
+            self.up = up
+            up.writelines(self.pending)
+
+        def data_received(self, data: bytes) -> None:
+            if self.up is None:
+                self.pending.append(data)
+            else:
+                self.up.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.up is not None:
+                self.up.close()
+
+    async def serve() -> None:
+        server = await asyncio.get_running_loop().create_server(Down, "127.0.0.1", port)
+        await server.serve_forever()
+
+    uvloop.run(serve())
+
+
 async def _request(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> float:
     """Seconds to the first body byte; reads the whole answer."""
     t = time.perf_counter()
@@ -191,6 +237,9 @@ class Targets:
         port = _free_port()
         relay = self._spawn([py, "-c", here + f"bare_relay_main as m; m({port}, {self.upstream!r})"])
         self.urls["relay"], self.pids["relay"] = f"http://127.0.0.1:{port}/v1/completions", relay.pid
+        port = _free_port()
+        floor = self._spawn([py, "-c", here + f"floor_relay_main as m; m({port}, {up_port})"])
+        self.urls["floor"], self.pids["floor"] = f"http://127.0.0.1:{port}/v1/completions", floor.pid
         trees: list[tuple[str, str | None]] = [("ours", None)]
         if self.base is not None:
             trees.append(("base", str(self.base)))
@@ -333,6 +382,8 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
         await t.start()
         res: dict[str, Any] = {"requests": await ttfb_and_cpu(t, a.reps)}
         if a.agent_turns:
+            # here, not at the top: `--base` runs this file inside a checkout that may not have it
+            from backend.tools.hotpath_agent import agent_turns
             res["agent"] = await agent_turns(t, _cpu_seconds, turns=a.agent_turns)
         for pace, tokens in ((0.0, a.tokens), (5.0, a.paced_tokens)):
             for conc in (1, 8, 32):

@@ -7,8 +7,8 @@ session id: every turn after the first extends the session's transcript (the spl
 agent's turns do. Per chat target: time to the first token and the proxy's CPU per turn over the
 spliced turns, the targets interleaved turn by turn. `direct` is the upstream called with a
 /v1/completions prompt of the same length (the engine's own echo of the prompt ids included), and
-`relay` the bare relay passing that same request: what moving this much data through one more
-process costs here, the yardstick for the chat targets.
+`relay` (the bare aiohttp relay) and `floor` (a byte pipe) passing that same request: what moving this
+much data through one more process costs here, the yardsticks for the chat targets.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ async def agent_turns(t: Targets, cpu_seconds: Any, sessions: int = 3,
     names = [n for n in t.urls if n.endswith("-chat")]
     fmt = load_format(t.model_dir)  # the prompt's length, for the same-size direct and relay requests
     tools = agent_tools()
-    measured = [*names, "relay"]
+    hops = [n for n in ("relay", "floor") if n in t.urls]  # passing the same-size request
+    measured = [*names, *hops]
     ttfb: dict[str, list[float]] = {n: [] for n in [*measured, "direct"]}
     cpu = dict.fromkeys(measured, 0.0)
     body_bytes = prompt_tokens = 0
@@ -112,7 +113,8 @@ async def agent_turns(t: Targets, cpu_seconds: Any, sessions: int = 3,
                 same = {"model": "fake", "prompt": [17] * prompt_tokens, "max_tokens": 1, "stream": True,
                         "return_token_ids": True}
                 ttfb["direct"].append((await _turn(s, t.urls["direct"], same, {}))[0])
-                await timed(s, "relay", same, {}, True)
+                for n in hops:
+                    await timed(s, n, same, {}, True)
     d50 = statistics.median(ttfb["direct"])
     out = {n: {"ttfb_added_p50_ms": (statistics.median(ttfb[n]) - d50) * 1e3,
                "cpu_ms_per_turn": cpu[n] / max(1, len(ttfb[n])) * 1e3} for n in measured}
