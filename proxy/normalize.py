@@ -81,12 +81,17 @@ def tools_key(tools: list[dict[str, Any]] | None) -> str:
     return msgspec.json.encode(tools or [], order="sorted").decode()
 
 
+# The largest tool set whose text a per-process cache keeps (a coding harness sends 30-60 KB); bigger
+# ones are handled afresh each turn, so a cache of `keep` entries stays within keep x this.
+CACHED_TOOLS_CHARS = 256 * 1024
+
+
 class ToolsSeen:
     """Tool sets whose schemas passed `constraints.check_tool_schemas`, by `tools_key`: a harness sends
     the same tools every turn, and checking a coding harness's 20 schemas costs 340 us each time; a
     set seen before costs a lookup. The least recently seen go past `keep` (a few per harness)."""
 
-    def __init__(self, keep: int = 64) -> None:
+    def __init__(self, keep: int = 32) -> None:
         self.keep = keep
         self._passed: OrderedDict[str, None] = OrderedDict()
 
@@ -95,6 +100,8 @@ class ToolsSeen:
             self._passed.move_to_end(key)
             return
         constraints.check_tool_schemas(tools)  # raises the 400 naming the tool
+        if len(key) > CACHED_TOOLS_CHARS:
+            return
         self._passed[key] = None
         if len(self._passed) > self.keep:
             self._passed.popitem(last=False)

@@ -25,7 +25,7 @@ from proxy.format.template import TemplateError
 from proxy.idstext import IdsText
 from proxy.ingress import TurnRequest
 from proxy.metrics import Metrics
-from proxy.normalize import NormalizedChat, cap_max_tokens
+from proxy.normalize import CACHED_TOOLS_CHARS, NormalizedChat, cap_max_tokens
 from proxy.protocol import validate_messages
 from proxy.store import SessionStore
 from proxy.transcripts import Match, MessageKeys, Snapshot, common_prefix_len, context_key, match
@@ -40,7 +40,7 @@ T = TypeVar("T")
 # more than the render.
 OFF_LOOP_CHARS = 256 * 1024
 # Transcript contexts kept (a few tool sets per harness, times the template switches they use).
-CONTEXTS_KEPT = 64
+CONTEXTS_KEPT = 32
 
 
 def new_text_chars(messages: list[dict[str, Any]]) -> int:
@@ -146,6 +146,8 @@ class Planner:
     def _context(self, tools: str, kwargs: dict[str, Any]) -> str:
         """`context_key`, kept per (tools, template switches): it hashes the whole tools text, ~80 us a
         turn for a coding harness's 30 KB, and a session sends the same every turn."""
+        if len(tools) > CACHED_TOOLS_CHARS:
+            return context_key(tools, kwargs)
         try:
             key = (tools, tuple(sorted(kwargs.items())))
             hash(key)

@@ -61,10 +61,11 @@ class PromptChains:
     messages), and hashing a 30K-token prompt in 16-token blocks costs ~3 ms a turn, a 100K one ~9.
     Checked, not trusted: the blocks reused are those the two prompts begin with (compared as ids).
     Holds references to the prompts (no copies: a prompt is never changed once planned, each turn's
-    is a new array); the least recently hashed go past `max_tokens`."""
+    is a new array); the least recently hashed go past `max_tokens` or `max_sessions`."""
 
-    def __init__(self, max_tokens: int = 4_000_000) -> None:
+    def __init__(self, max_tokens: int = 4_000_000, max_sessions: int = 1024) -> None:
         self.max_tokens = max_tokens
+        self.max_sessions = max_sessions
         self._chains: OrderedDict[str, tuple[Sequence[int], int, list[bytes]]] = OrderedDict()
         self._tokens = 0
 
@@ -82,7 +83,7 @@ class PromptChains:
         chain = prefix_hashes(prompt, block, reuse)
         self._chains[session] = (prompt, block, chain)
         self._tokens += len(prompt)
-        while self._tokens > self.max_tokens and self._chains:
+        while (self._tokens > self.max_tokens or len(self._chains) > self.max_sessions) and self._chains:
             dropped, _, _ = self._chains.popitem(last=False)[1]
             self._tokens -= len(dropped)
         return chain

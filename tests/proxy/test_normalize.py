@@ -99,6 +99,11 @@ def test_a_tool_set_is_checked_once_and_a_bad_one_every_time(monkeypatch: pytest
     assert checked == [1, 1, 1, 1, 1, 1]  # `good` fell out past keep=2 and was checked again
     assert normalize(req(tools=good), body_of(tools=good), seen).tools_key == tools_key(
         stable_tool_definitions(good))
+    huge = [{"type": "function", "function": {"name": "h", "description": "x" * 300_000}}]
+    checked.clear()
+    for _ in range(2):
+        normalize(req(tools=huge), body_of(tools=huge), seen)
+    assert checked == [1, 1]  # over CACHED_TOOLS_CHARS: not kept, checked each time
 
 
 @pytest.mark.parametrize(
