@@ -188,14 +188,11 @@ def cap_max_tokens(requested: int | None, prompt_tokens: int, max_model_len: int
 def normalize(req: ChatRequest, body: Mapping[str, Any], seen: ToolsSeen | None = None) -> NormalizedChat:
     """`req` is `body` validated; messages and tools are taken from `body` as sent (no re-dump of a
     100K-token history), since the renderer applies vLLM's message preprocessing itself. `seen`: the
-    tool sets already checked (the ingress keeps one), else every set is checked."""
+    tool sets already checked (the ingress keeps one); without it the set is checked."""
     messages = list(body["messages"])
     tools = stable_tool_definitions(list(body["tools"]) if req.tools else None)
     key = tools_key(tools)
-    if seen is not None:
-        seen.check(tools, key)
-    else:
-        constraints.check_tool_schemas(tools)
+    (seen or ToolsSeen()).check(tools, key)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     choice = constraints.tool_choice(req.tool_choice, tools)

@@ -148,11 +148,7 @@ class Planner:
         turn for a coding harness's 30 KB, and a session sends the same every turn."""
         if len(tools) > CACHED_TOOLS_CHARS:
             return context_key(tools, kwargs)
-        try:
-            key = (tools, tuple(sorted(kwargs.items())))
-            hash(key)
-        except TypeError:  # a value that is not hashable: computed each time
-            return context_key(tools, kwargs)
+        key = (tools, tuple(sorted(kwargs.items())))  # template switches are booleans (protocol.py checks)
         ctx = self._contexts.get(key)
         if ctx is None:
             ctx = self._contexts[key] = context_key(tools, kwargs)

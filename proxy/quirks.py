@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from proxy.admission import Priority
 from proxy.errors import InvalidRequest, NotFound
+from proxy.metrics import Children
 from proxy.sessions import SessionIdentity
 
 # A client may mark its own work (a batch job as background); harness signals are read otherwise.
@@ -79,21 +80,13 @@ class QuirkLog:
         self.applied = Counter(
             "hh_quirks_applied", "Request quirks handled, by name", ["quirk"], registry=registry
         )
-        self._children: dict[tuple[Counter, tuple[str, ...]], Any] = {}
+        self._child = Children()  # every request asks for two or more
 
     def add(self, info: RequestInfo) -> None:
         self.recent.append(info)
         self._child(self.requests, info.harness, info.session.source, info.priority.label).inc()
         for name in info.quirks:
             self._child(self.applied, name).inc()
-
-    def _child(self, family: Counter, *values: str) -> Any:
-        """`family.labels(*values)`, kept: every request asks for two or more, and `labels()` checks,
-        hashes and locks each time. Bounded: every label here takes a few known values."""
-        got = self._children.get((family, values))
-        if got is None:
-            got = self._children[(family, values)] = family.labels(*values)
-        return got
 
 
 def identify_harness(headers: Mapping[str, str]) -> str:

@@ -63,7 +63,7 @@ class HeadHoldingTransport:
         if head is not None:
             self._head = None
             self._transport.writelines((head, data))  # one writev
-        elif data[:9] == b"HTTP/1.1 " and data[-4:] == b"\r\n\r\n":
+        elif data.startswith(b"HTTP/1.1 ") and data.endswith(b"\r\n\r\n"):  # no slice copied per token
             self._head = data
             self._loop.call_soon(self._flush)
         else:

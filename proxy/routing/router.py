@@ -18,11 +18,11 @@ import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proxy.ingress import TurnRequest
+from proxy.metrics import Children
 from proxy.settings import RoutingConfig
 
 from .engine import Engine, Health
@@ -49,14 +49,7 @@ class RoutingMetrics:
                                  ["engine"], registry=r)
         self.engine_up = Gauge("hh_engine_up", "1 while the engine passes its health checks", ["engine"],
                                registry=r)
-        self._children: dict[tuple[Counter, tuple[str, ...]], Any] = {}
-
-    def child(self, family: Counter, *values: str) -> Any:
-        """`family.labels(*values)`, kept (as proxy/metrics.py's `Metrics.child`: one per turn here)."""
-        got = self._children.get((family, values))
-        if got is None:
-            got = self._children[(family, values)] = family.labels(*values)
-        return got
+        self.child = Children()  # one placement counter child per turn
 
 
 class Router:
