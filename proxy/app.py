@@ -185,7 +185,8 @@ def create_app(
     app.add_middleware(Guard, keys=settings.keys, max_body_bytes=settings.limits.max_body_bytes)
     # A turn is answered straight behind the same front door, before FastAPI's stack (proxy/front.py).
     app.serve_turns(endpoints.by_path(), lambda inner: Guard(inner, keys=settings.keys,
-                                                              max_body_bytes=settings.limits.max_body_bytes))
+                                                              max_body_bytes=settings.limits.max_body_bytes),
+                    ready=lambda: services.turns is not None)
     if settings.keys:
         app.add_middleware(DashboardLogin, keys=settings.keys)  # outermost: the page's cookie login
     return app

@@ -25,6 +25,7 @@ import hmac
 import json
 import re
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from proxy.errors import AuthenticationFailed, InvalidRequest, PayloadTooLarge, ProxyError
@@ -78,16 +79,15 @@ class KeyRing:
         return found
 
 
-def target_problem(scope: Scope) -> str | None:
+def target_problem(path: str, raw_path: bytes | None = None) -> str | None:
     """Why this request target is refused, or None for a plain path."""
-    raw = scope.get("raw_path")
-    target = raw.decode("latin-1") if isinstance(raw, bytes | bytearray) else scope["path"]
-    for path in (target, scope["path"]):
-        if not path.startswith("/") or path.startswith("//"):
+    target = raw_path.decode("latin-1") if raw_path is not None else path
+    for p in (target, path):
+        if not p.startswith("/") or p.startswith("//"):
             return "only origin-form request targets (a path starting with a single /) are served"
-        if _BAD_PATH_CHARS.search(path):
+        if _BAD_PATH_CHARS.search(p):
             return "percent-escapes, backslashes and control characters are not allowed in the path"
-        segments = path[1:].split("/")
+        segments = p[1:].split("/")
         if any(s in (".", "..") for s in segments) or "" in segments[:-1]:
             return "dot segments and empty segments are not allowed in the path"
     return None
@@ -127,44 +127,67 @@ def _counting(receive: Receive, limit: int) -> Receive:
     return counted
 
 
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """What the front door answers instead of the route: the error, extra headers, and whether the
+    connection ends after it (a body the client may still be sending is not read)."""
+    exc: ProxyError
+    extra: tuple[tuple[bytes, bytes], ...] = ()
+    close: bool = False
+
+
 class Guard:
     def __init__(self, app: ASGIApp, keys: Sequence[str] = (), max_body_bytes: int = 32 * 1024 * 1024) -> None:
         self.app = app
         self.keys = KeyRing(keys)
         self.max_body_bytes = max_body_bytes
 
+    def refusal(self, path: str, raw_path: bytes | None, headers: Sequence[tuple[bytes, bytes]],
+                *, target_checked: bool = False) -> Refusal | None:
+        """Steps 1-4 above, on what arrived before the body; None lets the request through.
+        `target_checked`: the caller matched the target byte for byte against a known plain path."""
+        problem = (None if target_checked else target_problem(path, raw_path)) or host_problem(headers)
+        if problem is not None:
+            return Refusal(InvalidRequest(f"bad request target: {problem}"), close=True)
+        if self.keys and path not in OPEN_PATHS and not self.keys.accepts(*presented_keys(headers)):
+            exc = AuthenticationFailed("Missing or invalid API key (send Authorization: Bearer KEY or x-api-key).")
+            return Refusal(exc, ((b"www-authenticate", b"Bearer"),))
+        try:
+            length = _content_length(headers)
+        except InvalidRequest as exc:
+            return Refusal(exc, close=True)
+        if length is not None and length > self.max_body_bytes:
+            return Refusal(PayloadTooLarge(f"request body of {length} bytes is over the limit of"
+                                           f" {self.max_body_bytes} bytes", param="body"), close=True)
+        return None
+
+    def body_too_large(self) -> Refusal:
+        """A body that turned out larger than the limit while it streamed (chunked or lying length)."""
+        return Refusal(PayloadTooLarge(f"request body over the limit of {self.max_body_bytes} bytes", param="body"),
+                       close=True)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = scope["headers"]
-        problem = target_problem(scope) or host_problem(headers)
-        if problem is not None:
-            await refuse(scope, send, InvalidRequest(f"bad request target: {problem}"), close=True)
-            return
-        if self.keys and scope["path"] not in OPEN_PATHS and not self.keys.accepts(*presented_keys(headers)):
-            exc = AuthenticationFailed("Missing or invalid API key (send Authorization: Bearer KEY or x-api-key).")
-            await refuse(scope, send, exc, [(b"www-authenticate", b"Bearer")])
-            return
-        try:
-            length = _content_length(headers)
-        except InvalidRequest as exc:
-            await refuse(scope, send, exc, close=True)
-            return
-        if length is not None and length > self.max_body_bytes:
-            await refuse(scope, send, PayloadTooLarge(
-                f"request body of {length} bytes is over the limit of {self.max_body_bytes} bytes", param="body"),
-                close=True)
+        refused = self.refusal(scope["path"], scope.get("raw_path"), scope["headers"])
+        if refused is not None:
+            await refuse(scope, send, refused.exc, list(refused.extra), close=refused.close)
             return
         await self.app(scope, _counting(receive, self.max_body_bytes), send)
+
+
+def error_json(path: str, exc: ProxyError) -> bytes:
+    """`exc` as the JSON body of the wire the path belongs to (Anthropic-shaped on /v1/messages...)."""
+    anthropic = path == "/v1/messages" or path.startswith("/v1/messages/")
+    return json.dumps(anthropic_error(exc) if anthropic else exc.body()).encode()
 
 
 async def refuse(scope: Scope, send: Send, exc: ProxyError, extra: list[tuple[bytes, bytes]] | None = None,
                  *, close: bool = False) -> None:
     """Answer `exc` in the shape of the wire the path belongs to; `close` ends the connection (a body
     the client may still be sending is not read, and a confused target gets no second request)."""
-    anthropic = scope["path"] == "/v1/messages" or scope["path"].startswith("/v1/messages/")
-    body = json.dumps(anthropic_error(exc) if anthropic else exc.body()).encode()
+    body = error_json(scope["path"], exc)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                *([(b"connection", b"close")] if close else []), *(extra or [])]
     await send({"type": "http.response.start", "status": exc.status, "headers": headers})

@@ -10,14 +10,27 @@ proxy/auth.py."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import msgspec
-from fastapi import Request
 from fastapi.responses import Response
 
 from proxy.errors import InvalidRequest, ProxyError, UnsupportedMediaType
 from proxy.wire import Wire
+
+
+class TurnHTTPRequest(Protocol):
+    """What a turn's handler reads of its HTTP request: Starlette's `Request` on the ASGI entry, the
+    server's `InboundTurn` (proxy/turn_http.py) on its own turn path."""
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    async def body(self) -> bytes: ...
+
+    async def is_disconnected(self) -> bool: ...
+
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
@@ -84,6 +97,6 @@ def parse_json(raw: bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> dict[str, Any]
     return body
 
 
-async def read_json(request: Request, max_depth: int = DEFAULT_MAX_DEPTH) -> dict[str, Any]:
+async def read_json(request: TurnHTTPRequest, max_depth: int = DEFAULT_MAX_DEPTH) -> dict[str, Any]:
     check_media_type(request.headers.get("content-type"))
     return parse_json(await request.body(), max_depth)

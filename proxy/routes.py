@@ -14,7 +14,7 @@ from fastapi.responses import Response
 
 from proxy import quirks
 from proxy.errors import ProxyError
-from proxy.http import SSE_HEADERS, error_response, json_response, read_json
+from proxy.http import SSE_HEADERS, TurnHTTPRequest, error_response, json_response, read_json
 from proxy.ingress import TurnRequest
 from proxy.relay import relay
 from proxy.scheduler import Queued, hold
@@ -31,7 +31,7 @@ ENGINE_VERSION = "0.32.0"
 ENGINE_HEADER = "x-hyperharness-engine"
 
 
-async def serve_turn(services: Services, request: Request, turn_request: TurnRequest, wire: Wire) -> Response:
+async def serve_turn(services: Services, request: TurnHTTPRequest, turn_request: TurnRequest, wire: Wire) -> Response:
     """The one path a turn takes on either wire: hold the client through admission, then stream or
     collect the turn through the wire's writer."""
     turns = services.require_turns()
@@ -66,17 +66,17 @@ class TurnEndpoints:
         self.openai_wire = OpenAIWire(services.settings.model_name)
         self.anthropic_wire = AnthropicWire(services.settings.model_name)
 
-    def by_path(self) -> dict[str, Callable[[Request], Awaitable[Response]]]:
+    def by_path(self) -> dict[str, Callable[[TurnHTTPRequest], Awaitable[Response]]]:
         """The POST handlers of the two turn paths."""
         return {"/v1/chat/completions": self.chat_completions, "/v1/messages": self.messages}
 
-    async def ingest(self, request: Request, read: Callable[..., TurnRequest], route: str) -> TurnRequest:
+    async def ingest(self, request: TurnHTTPRequest, read: Callable[..., TurnRequest], route: str) -> TurnRequest:
         services = self.services
         body = await read_json(request, services.settings.limits.max_json_depth)
         info = await services.up().model()
         return read(body, request.headers, max_model_len=info.max_model_len, route=route)
 
-    async def answer(self, request: Request, wire: Wire, read: Callable[..., TurnRequest]) -> Response:
+    async def answer(self, request: TurnHTTPRequest, wire: Wire, read: Callable[..., TurnRequest]) -> Response:
         try:
             turn_request = await self.ingest(request, read, wire.route)
             return await serve_turn(self.services, request, turn_request, wire)
@@ -84,12 +84,14 @@ class TurnEndpoints:
             self.services.metrics.requests.labels(wire.route, str(exc.status)).inc()
             return error_response(exc, wire)
 
-    async def chat_completions(self, request: Request) -> Response:
-        if self.services.turns is None:  # no chat format: vLLM renders (no transcripts)
+    async def chat_completions(self, request: TurnHTTPRequest) -> Response:
+        # No chat format: vLLM renders (no transcripts). Only the ASGI entry serves a turn then (the
+        # server's own turn path waits for the turn service, proxy/front.py `direct_turn`).
+        if self.services.turns is None and isinstance(request, Request):
             return await relay(self.services, request, "/v1/chat/completions")
         return await self.answer(request, self.openai_wire, self.services.ingress.openai)
 
-    async def messages(self, request: Request) -> Response:
+    async def messages(self, request: TurnHTTPRequest) -> Response:
         return await self.answer(request, self.anthropic_wire, self.services.ingress.anthropic)
 
     async def count_tokens(self, request: Request) -> Response:

@@ -1,5 +1,6 @@
-"""The HTTP server the proxy runs: uvicorn with its httptools protocol, and one change to how a response
-leaves: its head goes out in the same write as its first body bytes.
+"""The HTTP server the proxy runs: uvicorn with its httptools protocol, and two changes: a turn is served
+by the protocol itself, not through ASGI (proxy/turn_http.py says why and what it keeps), and a
+response's head goes out in the same write as its first body bytes.
 
 Why: uvicorn writes a response's status line and headers the moment the app sends
 `http.response.start`, then the body in another write. Each write to a waiting client is a system call
@@ -17,16 +18,22 @@ its own, as before, before the loop waits for anything.
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from proxy.auth import ASGIApp, Guard
+from proxy.front import Endpoint, ProxyApp
 from proxy.settings import Settings
+from proxy.turn_http import TurnExchange
+
+DirectTurns = Callable[[bytes], tuple[Endpoint, Guard] | None]
 
 
-def server_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
+def server_config(app: ASGIApp, settings: Settings) -> uvicorn.Config:
     """The HTTP server's settings; a client's idle connection is kept `keep_alive_s` (Settings)."""
     return uvicorn.Config(
         app,
@@ -35,15 +42,60 @@ def server_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
         log_level=settings.log_level,
         access_log=False,
         timeout_keep_alive=settings.keep_alive_s,
-        http=HeadWithBodyProtocol,
+        http=protocol_for(app),
     )
 
 
+def protocol_for(app: ASGIApp) -> Any:
+    """The protocol class uvicorn instantiates per connection: a ProxyApp's turns served directly."""
+    direct = app.direct_turn if isinstance(app, ProxyApp) else None
+    return functools.partial(HeadWithBodyProtocol, direct=direct)
+
+
 class HeadWithBodyProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol writing through `HeadHoldingTransport`."""
+    """uvicorn's httptools protocol writing through `HeadHoldingTransport`, serving a turn itself."""
+
+    def __init__(self, *args: Any, direct: DirectTurns | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.direct = direct
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(HeadHoldingTransport(transport))  # type: ignore[arg-type]
+
+    def on_headers_complete(self) -> None:
+        found = self.direct(self.url) if self.direct is not None and self.parser.get_method() == b"POST" else None
+        if found is None or self.limit_concurrency is not None or self.parser.should_upgrade():
+            super().on_headers_complete()
+            return
+        handler, guard = found
+        http_version = self.parser.get_http_version()
+        existing = self.cycle
+        exchange = TurnExchange(
+            path=self.url.decode("ascii"), headers=self.headers, handler=handler, guard=guard,
+            transport=self.transport, flow=self.flow, default_headers=self.server_state.default_headers,
+            expect_100_continue=self.expect_100_continue,
+            keep_alive=http_version != "1.0" and self.parser.should_keep_alive(),
+            on_response=self.on_response_complete)
+        self.cycle = exchange  # type: ignore[assignment]  # read through the cycle's names (turn_http.py)
+        if existing is None or existing.response_complete:
+            self._start_asgi_task(exchange, handler)
+        else:  # pipelined behind an answer still being written: queued, as the protocol queues any request
+            self.flow.pause_reading()
+            self.pipeline.appendleft((exchange, handler))  # type: ignore[arg-type]
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        if type(cycle) is not TurnExchange:
+            super()._start_asgi_task(cycle, app)
+            return
+        task = self.loop.create_task(cycle.run())
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle: Any = self.cycle
+        super().connection_lost(exc)
+        if type(cycle) is TurnExchange:
+            cycle.client_left()
 
 
 class HeadHoldingTransport:

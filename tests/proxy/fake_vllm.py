@@ -19,6 +19,9 @@ import uvicorn
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from proxy.front import ProxyApp
+from proxy.server import protocol_for
+
 
 @dataclass
 class FakeVLLM:
@@ -182,7 +185,9 @@ async def serve_app(app: Any) -> AsyncIterator[str]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False)
+    # The proxy's app on the proxy's own protocol (its turns served without ASGI, proxy/server.py).
+    http = protocol_for(app) if isinstance(app, ProxyApp) else "auto"
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False, http=http)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
