@@ -18,6 +18,8 @@ from array import array
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
+import msgspec
+
 from proxy.admission import Admission, Footprint, NoAdmission, Ticket
 from proxy.constraints import JsonToolCallParser
 from proxy.errors import ProxyError, UpstreamError, UpstreamUnreachable
@@ -119,10 +121,12 @@ class TurnService:
         if plan.forced_outputs is not None:
             given = body.get("structured_outputs")
             body["structured_outputs"] = {**(given if isinstance(given, dict) else {}), **plan.forced_outputs}
-        head = json.dumps(body, separators=(",", ":"))
+        # msgspec, not json.dumps: 0.6 against 6.8 us for this body (json.dumps builds an encoder per
+        # call with non-default separators), on every turn's way to the engine.
+        head = msgspec.json.encode(body)
         # The prompt is spliced in as text kept from the previous turn, so a 100K-token session
         # does not re-serialize 100K ids per request.
-        return (head[:-1] + ',"prompt":[' + plan.prompt_text + "]}").encode()
+        return head[:-1] + b',"prompt":[' + plan.prompt_text.encode() + b"]}"
 
     def parser(self, plan: Plan) -> OutputParser:
         chat, thinking = plan.request.chat, plan.request.thinking
