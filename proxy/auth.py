@@ -111,6 +111,11 @@ def _content_length(headers: Sequence[tuple[bytes, bytes]]) -> int | None:
     return int(values[0])
 
 
+def too_large(limit: int) -> PayloadTooLarge:
+    """A body over the limit, found while it arrived (its declared length said nothing or less)."""
+    return PayloadTooLarge(f"request body over the limit of {limit} bytes", param="body")
+
+
 def _counting(receive: Receive, limit: int) -> Receive:
     """`receive` that fails with a 413 once the body read so far is over `limit` bytes."""
     seen = 0
@@ -121,7 +126,7 @@ def _counting(receive: Receive, limit: int) -> Receive:
         if message["type"] == "http.request":
             seen += len(message.get("body", b""))
             if seen > limit:
-                raise PayloadTooLarge(f"request body over the limit of {limit} bytes", param="body")
+                raise too_large(limit)
         return message
 
     return counted
@@ -163,8 +168,7 @@ class Guard:
 
     def body_too_large(self) -> Refusal:
         """A body that turned out larger than the limit while it streamed (chunked or lying length)."""
-        return Refusal(PayloadTooLarge(f"request body over the limit of {self.max_body_bytes} bytes", param="body"),
-                       close=True)
+        return Refusal(too_large(self.max_body_bytes), close=True)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -14,19 +14,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import uvicorn
 from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.auth import Guard
-from proxy.front import ProxyApp
 from proxy.errors import ProxyError
+from proxy.front import ProxyApp
 from proxy.http import TurnHTTPRequest, error_response, json_response, read_json
-from proxy.server import server_config
-from proxy.settings import Settings
 from proxy.streaming import StreamedResponse
 from proxy.turn_http import InboundTurn
 from proxy.wire import LastChunk
+from tests.proxy.fake_vllm import serve_app
 
 pytestmark = [pytest.mark.unit, pytest.mark.asyncio]
 
@@ -76,19 +74,9 @@ def make_app(h: Handlers) -> ProxyApp:
 
 @contextlib.asynccontextmanager
 async def served(app: ProxyApp) -> AsyncIterator[int]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(server_config(app, Settings(upstream="http://127.0.0.1:1", port=port, log_level="error")))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            await asyncio.sleep(0.01)
-        yield port
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
+    """The app on the proxy's own protocol (`serve_app` uses it for a ProxyApp); yields the port."""
+    async with serve_app(app) as url:
+        yield int(url.rsplit(":", 1)[1])
 
 
 def post(path: str, body: dict[str, Any] | bytes, *, key: str | None = KEY, extra: str = "") -> bytes:
