@@ -181,18 +181,21 @@ class Guard:
         await self.app(scope, _counting(receive, self.max_body_bytes), send)
 
 
-def error_json(path: str, exc: ProxyError) -> bytes:
-    """`exc` as the JSON body of the wire the path belongs to (Anthropic-shaped on /v1/messages...)."""
+def error_answer(path: str, refused: Refusal) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """The headers and JSON body of a refusal, in the shape of the wire the path belongs to
+    (Anthropic-shaped on /v1/messages...); `close` ends the connection (a body the client may still be
+    sending is not read, and a confused target gets no second request)."""
+    exc = refused.exc
     anthropic = path == "/v1/messages" or path.startswith("/v1/messages/")
-    return json.dumps(anthropic_error(exc) if anthropic else exc.body()).encode()
+    body = json.dumps(anthropic_error(exc) if anthropic else exc.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+               *([(b"connection", b"close")] if refused.close else []), *refused.extra]
+    return headers, body
 
 
 async def refuse(scope: Scope, send: Send, exc: ProxyError, extra: list[tuple[bytes, bytes]] | None = None,
                  *, close: bool = False) -> None:
-    """Answer `exc` in the shape of the wire the path belongs to; `close` ends the connection (a body
-    the client may still be sending is not read, and a confused target gets no second request)."""
-    body = error_json(scope["path"], exc)
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               *([(b"connection", b"close")] if close else []), *(extra or [])]
+    """Answer `exc` through ASGI (`error_answer`)."""
+    headers, body = error_answer(scope["path"], Refusal(exc, tuple(extra or ()), close))
     await send({"type": "http.response.start", "status": exc.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -27,7 +27,7 @@ from starlette.responses import Response
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE
 
-from proxy.auth import Guard, Refusal, error_json
+from proxy.auth import Guard, Refusal, error_answer
 from proxy.errors import ProxyError
 from proxy.streaming import StreamedResponse
 from proxy.wire import LastChunk
@@ -166,12 +166,7 @@ class TurnExchange:
         self._complete()
 
     def _answer_error(self, refused: Refusal) -> None:
-        body = error_json(self.path, refused.exc)
-        extra = [(name.encode(), value.encode()) for name, value in (refused.exc.headers or {}).items()]
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
-                   *refused.extra, *extra]
-        if refused.close:
-            self.keep_alive = False
+        headers, body = error_answer(self.path, refused)  # its `connection: close` ends keep-alive (_head)
         self._answer(refused.exc.status, headers, body)
 
     async def _stream(self, response: StreamedResponse) -> None:
