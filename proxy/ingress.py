@@ -89,13 +89,14 @@ class Ingress:
             applied.append("developer_role")  # folded into system by the renderer (proxy/format/normalize.py)
         tkey = chat.tools_key
         session = identify(hdrs, body, chat.messages, tkey, log_ids)
-        if session.explicit and quirks.is_summary_request(body):
+        summary = quirks.is_summary_request(body)
+        if session.explicit and summary:
             # DSH sends its title request under the session's own prompt_cache_key, Pi its summary under
             # the session headers; they share no prefix with the session, so their transcripts go apart.
             session = session.side()
             applied.append("side_session")
         parent = parent_of(hdrs, log_ids)
-        priority = quirks.priority_class(hdrs, body, parent)
+        priority = quirks.priority_class(hdrs, body, parent, summary=summary)
         flag = hdrs.get(WARMUP_HEADER)
         warmup = None if flag is None else flag.strip().lower() in ("1", "true", "yes")
         turn = TurnRequest(wire=wire, route=route, harness=harness, session=session, parent=parent,

@@ -107,14 +107,16 @@ def identify_harness(headers: Mapping[str, str]) -> str:
     return "unknown"
 
 
-def priority_class(headers: Mapping[str, str], body: Mapping[str, Any], parent: str | None) -> Priority:
+def priority_class(headers: Mapping[str, str], body: Mapping[str, Any], parent: str | None, *,
+                   summary: bool | None = None) -> Priority:
     """Background: compaction (DSH's `x-deepseek-harness-compact: 1`, Pi's summarization prompt), titles
     (DSH's small thinking-off title request) and anything the client marks so; subagent: has a parent.
-    `headers` lower-cased or case-insensitive."""
+    `headers` lower-cased or case-insensitive; `summary`: `is_summary_request(body)` if the caller has it."""
     explicit = Priority.parse(headers.get(PRIORITY_HEADER))
     if explicit is not None:
         return explicit
-    if (headers.get(COMPACT_HEADER) or "").strip() in ("1", "true") or is_summary_request(body):
+    if (headers.get(COMPACT_HEADER) or "").strip() in ("1", "true") or (
+            is_summary_request(body) if summary is None else summary):
         return Priority.BACKGROUND
     return Priority.SUBAGENT if parent else Priority.INTERACTIVE
 

@@ -4,7 +4,8 @@ A diagnosis tool, not a benchmark (`bench_hotpath` is the benchmark of record): 
 of `bench_hotpath`, our proxy in a child process with time stamps wrapped around the stages of a turn
 (the protocol's read, ingress, plan and placement, admission, the engine request, the engine's answer,
 the response's first write), N sequential turns from an aiohttp client, each beside a direct call to
-the upstream. Prints the median of each stage and the added time to the first byte the client saw.
+the upstream (`--block N`: N turns in a row, then N direct calls, as `bench_hotpath` orders its targets
+in blocks of 10). Prints the median of each stage and the added time to the first byte the client saw.
 The wrappers cost ~0.3 us each; a stage's figure is its wall time on the proxy's (pinned) core.
 
     python -m backend.tools.hotpath_stages --model-dir ~/.cache/hyperharness/models/smollm2-135m-v1 [--turns 2000]
@@ -139,7 +140,7 @@ def serve(config: Path) -> None:
     uvicorn.Server(server.server_config(create_app(settings), settings)).run()
 
 
-async def drive(model_dir: Path, turns: int) -> None:
+async def drive(model_dir: Path, turns: int, block: int = 1) -> None:
     py = sys.executable
     up = _free_port()
     upstream = subprocess.Popen([py, "-c", f"from backend.tools.bench_hotpath import vllm_like_main as m; m({up})"])
@@ -158,14 +159,16 @@ async def drive(model_dir: Path, turns: int) -> None:
         ours: list[float] = []
         theirs: list[float] = []
         async with aiohttp.ClientSession() as s:
-            for i in range(turns + WARMUP):
-                t = await _request(s, chat, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                             "max_tokens": 1, "stream": True, "user": f"u{i}",
-                                             "chat_template_kwargs": {"enable_thinking": False}})
-                d = await _request(s, direct, {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1, "stream": True})
+            for i in range(0, turns + WARMUP, block):  # `block` turns through the proxy, then as many direct
+                t = [await _request(s, chat, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                              "max_tokens": 1, "stream": True, "user": f"u{i + k}",
+                                              "chat_template_kwargs": {"enable_thinking": False}})
+                     for k in range(block)]
+                d = [await _request(s, direct, {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1, "stream": True})
+                     for _ in range(block)]
                 if i >= WARMUP:
-                    ours.append(t)
-                    theirs.append(d)
+                    ours += t
+                    theirs += d
         d50, o50 = statistics.median(theirs) * 1e3, statistics.median(ours) * 1e3
         print(f"client: direct TTFB p50 {d50:.3f} ms, through the proxy {o50:.3f} ms, added {o50 - d50:.3f} ms")
         print("stages in the proxy (p50, wall):", flush=True)
@@ -182,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m backend.tools.hotpath_stages", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", type=Path)
     ap.add_argument("--turns", type=int, default=2000)
+    ap.add_argument("--block", type=int, default=1,
+                    help="turns through the proxy in a row before as many direct calls (bench_hotpath: 10)")
     ap.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # the child: the proxy with stamps
     a = ap.parse_args(argv)
     if a.serve is not None:
@@ -189,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.model_dir is None:
         ap.error("--model-dir is required")
-    asyncio.run(drive(a.model_dir, a.turns))
+    asyncio.run(drive(a.model_dir, a.turns, max(1, a.block)))
     return 0
 
 
