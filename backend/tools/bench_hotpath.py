@@ -270,9 +270,11 @@ class Targets:
         return {"model": "m", "prompt": [1, 2, 3], "max_tokens": tokens, "stream": True, "user": tag}
 
 
-async def ttfb_and_cpu(t: Targets, reps: int, block: int = 10) -> dict[str, dict[str, float]]:
+async def ttfb_and_cpu(t: Targets, reps: int, block: int = 10, idle_s: float = 0.0) -> dict[str, dict[str, float]]:
     """1-token requests, C=1, in blocks of `block` per target, blocks interleaved: added TTFB over the
-    direct call, and the target process's CPU per request (from /proc, over its own blocks only)."""
+    direct call, and the target process's CPU per request (from /proc, over its own blocks only).
+    `idle_s`: each request (the direct ones too) after that long idle, as an agent's turn comes after
+    its tools ran: the same code then runs on cold caches (docs/hot-path.md)."""
     names = list(t.urls)
     ttfb: dict[str, list[float]] = {n: [] for n in names}
     cpu: dict[str, float] = {n: 0.0 for n in names}
@@ -281,7 +283,11 @@ async def ttfb_and_cpu(t: Targets, reps: int, block: int = 10) -> dict[str, dict
             for n in names:
                 pid = t.pids.get(n)
                 c0 = _cpu_seconds(pid) if pid else 0.0
-                got = [await _request(s, t.urls[n], t.body(n, 1, f"r{r}-{i}")) for i in range(block)]
+                got = []
+                for i in range(block):
+                    if idle_s:
+                        await asyncio.sleep(idle_s)
+                    got.append(await _request(s, t.urls[n], t.body(n, 1, f"r{r}-{i}")))
                 if r >= 0:
                     ttfb[n] += got
                     cpu[n] += (_cpu_seconds(pid) - c0) if pid else 0.0
@@ -381,6 +387,8 @@ async def run_all(a: argparse.Namespace) -> dict[str, Any]:
     try:
         await t.start()
         res: dict[str, Any] = {"requests": await ttfb_and_cpu(t, a.reps)}
+        if a.idle_ms:
+            res["after idle"] = await ttfb_and_cpu(t, a.reps, idle_s=a.idle_ms / 1e3)
         if a.agent_turns:
             # here, not at the top: `--base` runs this file inside a checkout that may not have it
             from backend.tools.hotpath_agent import agent_turns
@@ -441,16 +449,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="CPU-per-token rounds (the median is printed)")
     ap.add_argument("--agent-turns", type=int, default=25,
                     help="turns per agent-shaped session (3 sessions; 0 skips them)")
+    ap.add_argument("--idle-ms", type=float, default=0.0,
+                    help="also the 1-token requests each after this long idle (an agent's turn after its tools)")
     a = ap.parse_args(argv)
     res = asyncio.run(run_all(a))
     parse = parse_cost()
     base_parse = _base_parse_cost(a.base) if a.base is not None else None
-    print(f"{'target':<12} {'TTFB +p50 ms':>13} {'TTFB +p95 ms':>13} {'CPU/request ms':>15}")
-    for n, row in res["requests"].items():
-        if n != "direct":
-            print(f"{n:<12} {row['ttfb_added_p50_ms']:13.3f} {row['ttfb_added_p95_ms']:13.3f} "
-                  f"{row['cpu_ms_per_request']:15.3f}")
-    print(f"direct TTFB p50 {res['requests']['direct']['ttfb_p50_ms']:.3f} ms\n")
+    for key in ("requests", "after idle"):
+        if key not in res:
+            continue
+        if key == "after idle":
+            print(f"the same, each request after {a.idle_ms:g} ms idle")
+        print(f"{'target':<12} {'TTFB +p50 ms':>13} {'TTFB +p95 ms':>13} {'CPU/request ms':>15}")
+        for n, row in res[key].items():
+            if n != "direct":
+                print(f"{n:<12} {row['ttfb_added_p50_ms']:13.3f} {row['ttfb_added_p95_ms']:13.3f} "
+                      f"{row['cpu_ms_per_request']:15.3f}")
+        print(f"direct TTFB p50 {res[key]['direct']['ttfb_p50_ms']:.3f} ms\n")
     if "agent" in res:
         d = res["agent"]["direct"]
         print(f"agent-shaped turns (spliced; body up to {d['body_kb']:.0f} KB, {d['prompt_tokens']} prompt tokens)")
