@@ -5,7 +5,7 @@ of `bench_hotpath`, our proxy in a child process with time stamps wrapped around
 (the protocol's read, ingress, plan and placement, admission, the engine request, the engine's answer,
 the response's first write), N sequential turns from an aiohttp client, each beside a direct call to
 the upstream (`--block N`: N turns in a row, then N direct calls, as `bench_hotpath` orders its targets
-in blocks of 10; `--gap-ms T`: T ms idle before each call, as an agent's turn comes after its tools ran).
+in blocks of 10; `--idle-ms T`: T ms idle before each call, as an agent's turn comes after its tools ran).
 Prints the median of each stage and the added time to the first byte the client saw.
 The wrappers cost ~0.3 us each; a stage's figure is its wall time on the proxy's (pinned) core.
 
@@ -141,7 +141,7 @@ def serve(config: Path) -> None:
     uvicorn.Server(server.server_config(create_app(settings), settings)).run()
 
 
-async def drive(model_dir: Path, turns: int, block: int = 1, gap_s: float = 0.0) -> None:
+async def drive(model_dir: Path, turns: int, block: int = 1, idle_s: float = 0.0) -> None:
     py = sys.executable
     up = _free_port()
     upstream = subprocess.Popen([py, "-c", f"from backend.tools.bench_hotpath import vllm_like_main as m; m({up})"])
@@ -163,15 +163,15 @@ async def drive(model_dir: Path, turns: int, block: int = 1, gap_s: float = 0.0)
             for i in range(0, turns + WARMUP, block):  # `block` turns through the proxy, then as many direct
                 t = []
                 for k in range(block):
-                    if gap_s:
-                        await asyncio.sleep(gap_s)  # the turn comes after idle, as an agent's does after its tools
+                    if idle_s:
+                        await asyncio.sleep(idle_s)  # the turn comes after idle, as an agent's does after its tools
                     t.append(await _request(s, chat, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                                       "max_tokens": 1, "stream": True, "user": f"u{i + k}",
                                                       "chat_template_kwargs": {"enable_thinking": False}}))
                 d = []
                 for _ in range(block):
-                    if gap_s:
-                        await asyncio.sleep(gap_s)
+                    if idle_s:
+                        await asyncio.sleep(idle_s)
                     d.append(await _request(s, direct, {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1,
                                                         "stream": True}))
                 if i >= WARMUP:
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=2000)
     ap.add_argument("--block", type=int, default=1,
                     help="turns through the proxy in a row before as many direct calls (bench_hotpath: 10)")
-    ap.add_argument("--gap-ms", type=float, default=0.0, help="idle time before each call (proxied and direct)")
+    ap.add_argument("--idle-ms", type=float, default=0.0, help="idle time before each call (proxied and direct)")
     ap.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # the child: the proxy with stamps
     a = ap.parse_args(argv)
     if a.serve is not None:
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.model_dir is None:
         ap.error("--model-dir is required")
-    asyncio.run(drive(a.model_dir, a.turns, max(1, a.block), a.gap_ms / 1e3))
+    asyncio.run(drive(a.model_dir, a.turns, max(1, a.block), a.idle_ms / 1e3))
     return 0
 
 
