@@ -201,9 +201,20 @@ async def _request(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> 
     return first
 
 
+# The cores this run may use, read once before anything is pinned: read at each call, they were the
+# caller's own after it pinned itself to core 1, so "core 0" meant core 1 and every proxy shared the
+# client's and the upstream's core (every bench of this file until 2026-12-05).
+_CORES = sorted(os.sched_getaffinity(0))
+
+
 def _pin(pid: int, core: int) -> None:
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(pid, {cores[core % len(cores)]})
+    """Every thread of `pid` (the event loop's and the workers' started before this call) to one core."""
+    cpu = {_CORES[core % len(_CORES)]}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpu)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
 
 class Targets:
