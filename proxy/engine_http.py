@@ -20,12 +20,16 @@ a response dropped unfinished closes its connection (vLLM aborts the request and
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
 
 from proxy.errors import UpstreamError, UpstreamUnreachable
+
+log = logging.getLogger("proxy.engine_http")
 
 CONNECT_TIMEOUT_S = 10.0
 # Reading pauses while this much body is buffered unread (a client slower than the engine).
@@ -48,6 +52,7 @@ class EngineConnection(asyncio.Protocol):
 
     def reset(self) -> None:
         self.status = 0  # 0 until the response head is in
+        self.on_head: Callable[[], None] | None = None  # called once when a 200 head is in (`send`)
         self.chunks: list[bytes] = []
         self.buffered = 0
         self.complete = False
@@ -75,7 +80,17 @@ class EngineConnection(asyncio.Protocol):
         if self.buffered > _HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
+        if self.on_head is not None and self.status == 200:
+            self._headed()
         self._wake()
+
+    def _headed(self) -> None:
+        """The engine said 200: `on_head` runs now, in this callback, not after the reader's task wakes."""
+        on_head, self.on_head = self.on_head, None
+        try:
+            on_head()  # type: ignore[misc]  # checked by the caller
+        except Exception:  # the caller's bug: its own path still answers, only later
+            log.exception("on_head failed")
 
     def eof_received(self) -> bool:
         return False  # close: the engine ended the connection
@@ -102,8 +117,9 @@ class EngineConnection(asyncio.Protocol):
         self._parser = None  # anything after the response is not ours to read
 
     # -- the reader's side
-    def send(self, head: bytes, body: bytes) -> None:
+    def send(self, head: bytes, body: bytes, on_head: Callable[[], None] | None = None) -> None:
         self.reset()
+        self.on_head = on_head
         self._parser = httptools.HttpResponseParser(self)
         if self.transport is None or self.closed:
             self.error = UpstreamError("Server disconnected")
@@ -172,14 +188,17 @@ class EnginePool:
         self._idle: list[tuple[EngineConnection, float]] = []  # most recently used last
         self._sweep: asyncio.TimerHandle | None = None  # closes connections idle past keepalive_s
 
-    async def request(self, method: str, path: str, body: bytes) -> EngineConnection:
+    async def request(self, method: str, path: str, body: bytes,
+                      on_head: Callable[[], None] | None = None) -> EngineConnection:
+        """`on_head`: called from the connection's data callback the moment a 200 head is in, before
+        this returns (a turn's answer opens then: proxy/turn_http.py `opener`)."""
         head = b"%s %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n" % (
             method.encode(), (self._prefix + path).encode(), self._fixed, len(body))
         retries = 0
         while True:
             conn, reused = await self._acquire()
             try:
-                conn.send(head, body)
+                conn.send(head, body, on_head)
                 while not conn.status and conn.error is None:
                     await conn.wait()
             except BaseException:

@@ -7,7 +7,9 @@ answered here and never relayed to vLLM.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -21,6 +23,7 @@ from proxy.scheduler import Queued, hold
 from proxy.services import Services
 from proxy.streaming import StreamedResponse
 from proxy.turn import Turn
+from proxy.turn_http import EarlyOpen, InboundTurn
 from proxy.wire import Wire
 from proxy.wire.anthropic import AnthropicWire
 from proxy.wire.openai import OpenAIWire
@@ -41,19 +44,33 @@ async def serve_turn(services: Services, request: TurnHTTPRequest, turn_request:
     headers = {ENGINE_HEADER: placement.engine.name} if placement is not None else {}
     ticket = turns.admit_now(turn_request, prepared)
     held: Turn | Queued[Turn]
+    stream = turn_request.chat.stream
+    early: EarlyOpen | None = None
     if ticket is not None:  # a seat at once: opened inline, with no task holding the client through a wait
-        held = await turns.open(turn_request, prepared, ticket=ticket)
+        on_head = None
+        if stream and isinstance(request, InboundTurn):  # the server's own turn path: the answer opens from
+            # the engine connection's callback when the engine says 200, its pieces built while it computes
+            early = request.early_open({**SSE_HEADERS, **headers},
+                                       partial(wire.opening, turn_request.chat, prepared[0].prompt))
+            asyncio.get_running_loop().call_soon(early.prepare)
+            on_head = early.send
+        held = await turns.open(turn_request, prepared, ticket=ticket, on_head=on_head)
     else:
-        held = await hold(turns.open(turn_request, prepared), stream=turn_request.chat.stream,
+        held = await hold(turns.open(turn_request, prepared), stream=stream,
                           is_disconnected=request.is_disconnected, after_s=cfg.keepalive_after_s,
                           every_s=cfg.keepalive_every_s)
-    if isinstance(held, Turn) and held.placement is not None:  # placed again if its engine was unreachable
-        headers = {ENGINE_HEADER: held.placement.engine.name}
+    if isinstance(held, Turn) and held.placement is not None and held.placement is not placement:
+        headers = {ENGINE_HEADER: held.placement.engine.name}  # placed again: its engine was unreachable
+        early = None  # (never sent: only the first engine's 200 opens it)
     if isinstance(held, Queued):  # still waiting for engine capacity: SSE comments until admitted
         body = held.body(wire.stream, wire.error_event)
         return StreamedResponse(body, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
-    if turn_request.chat.stream:
-        return StreamedResponse(wire.stream(held), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    if stream:  # `held.close`: the turn is let go even if its client left before the body started
+        if early is not None and early.response is not None:
+            early.response.chunks, early.response.on_close = wire.stream(held, early.opening), held.close
+            return early.response
+        return StreamedResponse(wire.stream(held), media_type="text/event-stream", headers={**SSE_HEADERS, **headers},
+                                on_close=held.close)
     return json_response(await wire.complete(held), headers=headers)
 
 

@@ -14,7 +14,7 @@ terminator) in one write, not two (a turn's finish, usage and `[DONE]` are one `
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
@@ -26,9 +26,14 @@ class StreamedResponse(Response):
     """`StreamingResponse`'s contract for bytes bodies: status, headers, a body iterator (a `Response`
     so that FastAPI sends it as it is)."""
 
-    def __init__(self, body: AsyncIterator[bytes], *, status_code: int = 200,
-                 headers: Mapping[str, str] | None = None, media_type: str | None = None) -> None:
-        self.chunks = body
+    def __init__(self, body: AsyncIterator[bytes] | None, *, status_code: int = 200,
+                 headers: Mapping[str, str] | None = None, media_type: str | None = None,
+                 on_close: Callable[[], None] | None = None) -> None:
+        # None: set before the response is served (a turn's answer is built before its engine answers)
+        self.chunks: AsyncIterator[bytes] = body if body is not None else _unset()
+        # Runs once the body is done with, read or not: a generator never started (its client left
+        # before the first chunk) runs no `finally` of its own, so what it holds is let go here.
+        self.on_close = on_close
         self.background = None
         self.status_code = status_code
         self.media_type = media_type
@@ -67,7 +72,14 @@ class StreamedResponse(Response):
             aclose = getattr(body, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if self.on_close is not None:
+                self.on_close()
 
 
 def _body(chunk: bytes, more: bool) -> Message:
     return {"type": "http.response.body", "body": chunk, "more_body": more}
+
+
+async def _unset() -> AsyncIterator[bytes]:
+    raise RuntimeError("a StreamedResponse served before its body was set")
+    yield b""  # (makes this an async generator)

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from array import array
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -75,8 +75,10 @@ class TurnService:
         return admission.try_acquire(_footprint(req, plan))
 
     async def open(self, req: TurnRequest, prepared: tuple[Plan, Placement | None] | None = None, *,
-                   ticket: Ticket | None = None, replaced: bool = False) -> Turn:
-        """Admission (unless `ticket` is the seat `admit_now` gave), then the engine's stream."""
+                   ticket: Ticket | None = None, replaced: bool = False,
+                   on_head: Callable[[], None] | None = None) -> Turn:
+        """Admission (unless `ticket` is the seat `admit_now` gave), then the engine's stream. `on_head`:
+        called the moment the engine placed first answers 200 (never for a turn placed again)."""
         plan, placement = prepared or await self.prepare(req)
         upstream = placement.engine.upstream if placement is not None else self.upstream
         admission = placement.engine.admission if placement is not None else self.admission
@@ -85,7 +87,8 @@ class TurnService:
         if ticket is None:
             ticket = await admission.acquire(_footprint(req, plan))
         try:
-            stream = await upstream.open_events("/v1/completions", await self._payload(plan, upstream))
+            stream = await upstream.open_events("/v1/completions", await self._payload(plan, upstream),
+                                                on_head=on_head)
         except BaseException as exc:
             ticket.release()
             self.engine_failed(placement, exc)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 from starlette.responses import Response
 from uvicorn.protocols.http.flow_control import FlowControl
@@ -30,7 +31,7 @@ from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE
 from proxy.auth import Guard, Refusal, error_answer
 from proxy.errors import ProxyError
 from proxy.streaming import StreamedResponse
-from proxy.wire import LastChunk
+from proxy.wire import LastChunk, Opening
 
 log = logging.getLogger("proxy")
 
@@ -54,6 +55,49 @@ class InboundTurn:
 
     async def is_disconnected(self) -> bool:
         return self._exchange.disconnected
+
+    def early_open(self, headers: Mapping[str, str], first: Callable[[], Opening[Any]]) -> EarlyOpen:
+        return EarlyOpen(self._exchange, headers, first)
+
+
+class EarlyOpen:
+    """A turn's streamed answer that opens from the engine connection's data callback the moment the
+    engine answers 200 (`send`, its `on_head`), not once the turn's task has woken and unwound through
+    the route: 30-45 us sooner to the first byte (docs/hot-path.md). Its pieces (the response, the
+    wire's first chunk, the head's bytes) are built by `prepare`, which the route schedules for the
+    loop's next turn: that comes when the turn's task waits for the engine, so they are built while
+    the engine computes. The exchange's `_stream` then writes neither the head nor that chunk again;
+    nothing is sent to a client that left."""
+
+    __slots__ = ("_exchange", "_first", "_headers", "_out", "opening", "response")
+
+    def __init__(self, exchange: TurnExchange, headers: Mapping[str, str], first: Callable[[], Opening[Any]]) -> None:
+        self._exchange = exchange
+        self._headers = headers
+        self._first = first
+        self.response: StreamedResponse | None = None  # built by `prepare`; the route sets its body
+        self.opening: Opening[Any] | None = None
+        self._out: tuple[bytes, bytes] = (b"", b"")
+
+    def prepare(self) -> None:
+        if self.response is not None:
+            return
+        response = StreamedResponse(None, media_type="text/event-stream", headers=self._headers)
+        opening = self._first()
+        chunk = opening.chunk
+        head = self._exchange._head(200, response.raw_headers, chunked=True)
+        self._out = (head, b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        self.response, self.opening = response, opening
+
+    def send(self) -> None:
+        exchange = self._exchange
+        if exchange.response_started or exchange.disconnected:
+            return
+        self.prepare()  # (done already, unless the engine answered before the loop turned)
+        exchange.response_started = exchange._opened = True
+        if self.opening is not None:
+            self.opening.sent = True
+        exchange.transport.writelines(self._out)
 
 
 class TurnExchange:
@@ -81,6 +125,7 @@ class TurnExchange:
         self.response_started = False
         self._streaming: asyncio.Task[None] | None = None  # the task writing a streamed body
         self._gone = False
+        self._opened = False  # the streamed answer's head and first chunk are out (`EarlyOpen`)
 
     def client_left(self) -> None:
         """The connection was lost: a body being streamed stops at once (its generator's `finally`
@@ -106,6 +151,8 @@ class TurnExchange:
             response = await self.handler(request)
             if type(response) is StreamedResponse:
                 await self._stream(response)
+            elif self._opened:  # a stream opened, then a whole answer (a failure the handler caught):
+                self.transport.close()  # as for a crash after the answer began, the connection ends it
             else:
                 self._answer(response.status_code, response.raw_headers, response.body)
         except Exception as exc:
@@ -177,8 +224,8 @@ class TurnExchange:
             self._streaming = asyncio.current_task()
             if self.disconnected:
                 return
-            # held by the server's transport until the first chunk, so both leave in one write
-            transport.write(self._head(response.status_code, response.raw_headers, chunked=True))
+            if not self._opened:  # held by the server's transport until the first chunk: one write
+                transport.write(self._head(response.status_code, response.raw_headers, chunked=True))
             async for chunk in body:
                 if flow.write_paused:  # a slow client: wait, buffering no more than the transport does
                     await flow.drain()
@@ -200,6 +247,8 @@ class TurnExchange:
             aclose = getattr(body, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if response.on_close is not None:
+                response.on_close()
 
     def _complete(self) -> None:
         self.response_complete = True

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -317,13 +317,14 @@ class Upstream:
         _raise_for_status(resp.status, data)
         return json.loads(data)
 
-    async def open_events(self, path: str, payload: bytes) -> EventStream:
+    async def open_events(self, path: str, payload: bytes, *, on_head: Callable[[], None] | None = None) -> EventStream:
         """POST a streaming request (JSON bytes) and wait for the status line only: a 4xx/5xx raises
-        here, before the caller has sent a byte, so it can still answer with a proper error."""
+        here, before the caller has sent a byte, so it can still answer with a proper error.
+        `on_head`: called the moment a 200 arrives, before this returns (`EnginePool.request`)."""
         idle_s = self.read_timeout_s
         try:  # the status line within the read timeout
             async with asyncio.timeout(idle_s):
-                conn = await self.streams.request("POST", path, payload)
+                conn = await self.streams.request("POST", path, payload, on_head)
         except TimeoutError as exc:
             raise UpstreamError(f"upstream {self.base_url} sent no answer in {idle_s:g} s") from exc
         if conn.status != 200:

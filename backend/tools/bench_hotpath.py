@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -211,10 +212,8 @@ def _pin(pid: int, core: int) -> None:
     """Every thread of `pid` (the event loop's and the workers' started before this call) to one core."""
     cpu = {_CORES[core % len(_CORES)]}
     for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
             os.sched_setaffinity(int(tid), cpu)
-        except ProcessLookupError:  # a thread that ended meanwhile
-            pass
 
 
 class Targets:

@@ -37,7 +37,7 @@ from proxy.settings import Settings, UpstreamConfig
 
 # The stamps in the order a turn passes them; a stage is the time between two neighbours.
 ORDER = ("bytes in", "body parsed", "task runs", "handler", "ingress done", "planned", "placed", "admitted",
-         "engine request sent", "engine head in", "stream open", "answer head built", "first write")
+         "engine request sent", "engine head in", "first write")
 WARMUP = 200
 
 
@@ -115,18 +115,15 @@ def serve(config: Path) -> None:
     _after(stamps, turn.TurnService, "admit_now", "admitted")
     _before(stamps, engine_http.EngineConnection, "send", "engine request sent")
     _before(stamps, engine_http.EngineConnection, "data_received", "engine head in", lambda self, data: not self.status)
-    _after(stamps, turn.TurnService, "open", "stream open")
-    _after(stamps, turn_http.TurnExchange, "_head", "answer head built")
-
-    write = server.HeadHoldingTransport.write
-
-    def first_write(self: Any, data: bytes) -> None:
-        held = self._head is not None
-        write(self, data)
-        if held:
-            stamps.at("first write")
-            stamps.done()
-    server.HeadHoldingTransport.write = first_write  # type: ignore[method-assign]
+    # The answer's first bytes leave from the engine connection's callback (turn_http.py `opener`):
+    # the first write (or writelines) of the client's transport after the engine's head.
+    for attr in ("write", "writelines"):
+        def first_write(self: Any, data: Any, _orig: Any = getattr(server.HeadHoldingTransport, attr)) -> None:
+            _orig(self, data)
+            if "engine head in" in stamps.now and self._head is None:  # a held head has not left yet
+                stamps.at("first write")
+                stamps.done()
+        setattr(server.HeadHoldingTransport, attr, first_write)
 
     def report(*_: Any) -> None:
         rows = stamps.rows[WARMUP:]

@@ -9,13 +9,16 @@ Both implement `Wire` (below): proxy/routes.py serves any turn through one of th
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from proxy.errors import ProxyError
 
 if TYPE_CHECKING:
+    from proxy.normalize import NormalizedChat
     from proxy.turn import Turn
+
+W = TypeVar("W")
 
 
 class LastChunk(bytes):
@@ -25,12 +28,30 @@ class LastChunk(bytes):
     __slots__ = ()
 
 
+class Opening(Generic[W]):
+    """A streamed answer's first chunk (OpenAI's role chunk, Anthropic's message_start) and the writer
+    that goes on from it. The server's turn exchange may send the chunk with the response head the
+    moment the engine's 200 arrives (proxy/turn_http.py `opener`); `sent` then tells the wire's stream
+    not to send it again."""
+
+    __slots__ = ("chunk", "sent", "writer")
+
+    def __init__(self, chunk: bytes, writer: W) -> None:
+        self.chunk = chunk
+        self.writer = writer
+        self.sent = False
+
+
 class Wire(Protocol):
     route: str  # the metrics label of its endpoint
 
-    def stream(self, turn: Turn) -> AsyncIterator[bytes]:
-        """The whole streamed body, its end as one `LastChunk`; a failure after the status line ends it
-        with the wire's error event."""
+    def opening(self, chat: NormalizedChat, prompt: Sequence[int]) -> Opening[Any]:
+        """The stream's first chunk and its writer, built before the engine answers."""
+        ...
+
+    def stream(self, turn: Turn, opening: Opening[Any] | None = None) -> AsyncIterator[bytes]:
+        """The whole streamed body (from `opening`, built here if None; its chunk unless already sent),
+        its end as one `LastChunk`; a failure after the status line ends it with the wire's error event."""
         ...
 
     async def complete(self, turn: Turn) -> dict[str, Any]:

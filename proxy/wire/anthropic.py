@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from proxy.errors import InvalidRequest, ProxyError
 from proxy.format.base import Delta, DeltaKind
 from proxy.reply import DeltaEvent, FinalEvent, Usage
-from proxy.wire import LastChunk
+from proxy.wire import LastChunk, Opening
 
 if TYPE_CHECKING:
+    from proxy.normalize import NormalizedChat
     from proxy.turn import Turn
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -328,10 +329,17 @@ class AnthropicWire:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
 
-    async def stream(self, turn: Turn) -> AsyncIterator[bytes]:
-        stream = MessageStream(self.model_name, len(turn.prompt))
+    def opening(self, chat: NormalizedChat, prompt: Sequence[int]) -> Opening[MessageStream]:
+        stream = MessageStream(self.model_name, len(prompt))
+        return Opening(stream.start(), stream)
+
+    async def stream(self, turn: Turn, opening: Opening[MessageStream] | None = None) -> AsyncIterator[bytes]:
+        if opening is None:
+            opening = self.opening(turn.request.chat, turn.prompt)
+        stream = opening.writer
         try:
-            yield stream.start()
+            if not opening.sent:
+                yield opening.chunk
             last = b""
             async for ev in turn.events():
                 if isinstance(ev, DeltaEvent):

@@ -20,9 +20,10 @@ import msgspec
 from proxy.errors import ProxyError
 from proxy.format.base import Delta, DeltaKind
 from proxy.reply import DeltaEvent, Usage
-from proxy.wire import LastChunk
+from proxy.wire import LastChunk, Opening
 
 if TYPE_CHECKING:
+    from proxy.normalize import NormalizedChat
     from proxy.turn import Turn
 
 
@@ -184,13 +185,19 @@ class OpenAIWire:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
 
-    async def stream(self, turn: Turn) -> AsyncIterator[bytes]:
-        chat = turn.request.chat
+    def opening(self, chat: NormalizedChat, prompt: Sequence[int]) -> Opening[ChunkWriter]:
         writer = ChunkWriter(completion_id(), self.model_name)
+        return Opening(writer.role(prompt if chat.return_token_ids else None), writer)
+
+    async def stream(self, turn: Turn, opening: Opening[ChunkWriter] | None = None) -> AsyncIterator[bytes]:
+        chat = turn.request.chat
+        if opening is None:
+            opening = self.opening(chat, turn.prompt)
+        writer = opening.writer
         ids_out = chat.return_token_ids
         try:
-            # Early: harness watchdogs count the time to the first byte.
-            yield writer.role(turn.prompt if ids_out else None)
+            if not opening.sent:  # early: harness watchdogs count the time to the first byte
+                yield opening.chunk
             last = b""
             async for event in turn.events():
                 if isinstance(event, DeltaEvent):

@@ -33,6 +33,8 @@ class FakeVLLM:
     cached_tokens: int = 0
     fail_with: int | None = None
     delay_s: float = 0.0  # between streamed events
+    head_delay_s: float = 0.0  # before a stream's response head (the engine still computing)
+    pool_blocks: int | None = None  # KV pool reported on /metrics (the scheduler admits inline once known)
     aborted: int = 0  # streams the client (the proxy) dropped before the end
 
     def app(self) -> web.Application:
@@ -53,7 +55,12 @@ class FakeVLLM:
         )
 
     async def _metrics(self, _: web.Request) -> web.Response:
-        return web.Response(text="vllm:prefix_cache_hits_total 0.0\n")
+        text = "vllm:prefix_cache_hits_total 0.0\n"
+        if self.pool_blocks is not None:
+            text += ('vllm:cache_config_info{block_size="16",enable_prefix_caching="True",engine="0",'
+                     f'mamba_cache_mode="none",num_gpu_blocks="{self.pool_blocks}"}} 1.0\n'
+                     'vllm:kv_cache_usage_perc{engine="0"} 0.0\n')
+        return web.Response(text=text)
 
     def _next_script(self) -> tuple[list[int], list[str], str]:
         if self.scripts:
@@ -92,6 +99,8 @@ class FakeVLLM:
                 }
             )
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        if self.head_delay_s:
+            await asyncio.sleep(self.head_delay_s)
         await resp.prepare(request)
         for i, (tid, text) in enumerate(zip(ids, texts)):
             choice: dict[str, Any] = {

@@ -179,3 +179,32 @@ async def test_reading_pauses_while_a_slow_reader_has_much_buffered(serve) -> No
         assert b"".join(received) == sse_answer(events).split(b"\r\n", 5)[-1].split(b"\r\n")[0]
     finally:
         pool.close()
+
+
+@pytest.mark.asyncio
+async def test_on_head_runs_once_from_the_data_callback_and_only_for_a_200(serve) -> None:
+    """A turn's answer opens from `on_head` (proxy/turn_http.py `EarlyOpen`): called in the connection's
+    own data callback (no task: the turn's has not woken yet) before `open_events` returns, once however
+    the body is read, and never for an engine error."""
+    error = b'{"error":{"message":"no such model"}}'
+    engine = Engine(lambda n, body: sse_answer(3) if n == 1 else
+                    b"HTTP/1.1 404 Not Found\r\ncontent-length: %d\r\n\r\n%s" % (len(error), error))
+    up = Upstream.open(await serve(engine))
+    calls: list[tuple[asyncio.Task[object] | None, bool]] = []
+    returned = False
+
+    def on_head() -> None:
+        calls.append((asyncio.current_task(), returned))
+
+    try:
+        stream = await up.open_events("/v1/completions", b"{}", on_head=on_head)
+        returned = True
+        while await stream.read_batch() is not None:
+            pass
+        stream.close()
+        assert calls == [(None, False)]
+        with pytest.raises(InvalidRequest, match="no such model"):
+            await up.open_events("/v1/completions", b"{}", on_head=on_head)
+        assert len(calls) == 1
+    finally:
+        await up.close()

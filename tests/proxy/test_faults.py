@@ -402,6 +402,44 @@ async def test_disconnect_mid_stream_aborts_upstream(one_seat) -> None:
     print(f"mid-stream disconnect: seat and upstream freed in {took * 1e3:.0f} ms")
 
 
+async def test_disconnect_before_the_engine_answers_drops_the_engine_stream() -> None:
+    """The client hangs up while its turn, admitted at once, waits for the engine's answer (which would
+    open the client's from the engine's 200: proxy/turn_http.py `EarlyOpen`): nothing is written to
+    it, and the engine's stream is dropped when it comes, not read to its end for nobody."""
+    fake = FakeVLLM(delay_s=0.02, pool_blocks=100_000)
+    _long(fake)
+    async with fake_vllm_server(fake) as upstream_url:
+        async def metrics_text() -> str:
+            async with httpx.AsyncClient() as c:
+                return (await c.get(upstream_url + "/metrics")).text
+
+        scheduler = Scheduler(SchedulerConfig(), engine=EngineGeometry(seats=4), read_metrics_text=metrics_text)
+        settings = Settings(upstream=upstream_url, model_name="hh")
+        async with serve_app(create_app(settings, fmt=ToyFormat(), admission=scheduler)) as url:
+            async with httpx.AsyncClient(timeout=30) as c:  # a first turn: the pool's size is known after it
+                await c.post(url + "/v1/chat/completions", json={"model": "m", "max_tokens": 5, "messages": MSGS})
+            assert scheduler.geometry is not None and scheduler.running == 0
+            fake.head_delay_s = 0.3
+            _long(fake)
+            host, port = url.rsplit("/", 1)[-1].split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            body = json.dumps({"model": "m", "max_tokens": 2000, "stream": True, "messages": MSGS}).encode()
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: proxy\r\ncontent-type: application/json"
+                         b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            await _wait_for(lambda: len(fake.requests) == 2, "never reached the engine")
+            assert scheduler.running == 1 and len(scheduler.queue) == 0  # admitted inline, not held
+            writer.close()  # the client hangs up before the engine's head
+            await writer.wait_closed()
+            assert await reader.read() == b""  # nothing was written to it
+            await _wait_for(lambda: fake.aborted == 1, "the engine's stream was not dropped", timeout=10)
+            await _wait_for(lambda: scheduler.running == 0, "seat not freed")
+            fake.delay_s = fake.head_delay_s = 0.0
+            async with httpx.AsyncClient(timeout=30) as c:  # the next turn is served as before
+                r = await c.post(url + "/v1/chat/completions", json={"model": "m", "max_tokens": 5, "stream": True,
+                                                                    "messages": MSGS})
+                assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+
+
 @pytest.mark.parametrize("stream,wait_s", [(True, 0.1), (True, 0.8), (False, 0.5)],
                          ids=["stream-before-keepalive", "stream-in-keepalive", "non-stream"])
 async def test_disconnect_while_queued_leaves_the_queue(one_seat, stream: bool, wait_s: float) -> None:

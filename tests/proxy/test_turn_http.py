@@ -23,7 +23,7 @@ from proxy.front import ProxyApp
 from proxy.http import TurnHTTPRequest, error_response, json_response, read_json
 from proxy.streaming import StreamedResponse
 from proxy.turn_http import InboundTurn
-from proxy.wire import LastChunk
+from proxy.wire import LastChunk, Opening
 from tests.proxy.fake_vllm import serve_app
 
 pytestmark = [pytest.mark.unit, pytest.mark.asyncio]
@@ -39,6 +39,7 @@ class Handlers:
         self.seen: list[tuple[type, dict[str, str], dict[str, Any]]] = []
         self.closed = asyncio.Event()
         self.ready = True
+        self.go = asyncio.Event()  # an early-opened answer goes on (`early` bodies)
 
     async def chat(self, request: TurnHTTPRequest) -> Response:
         try:
@@ -48,6 +49,8 @@ class Handlers:
         self.seen.append((type(request), dict(request.headers), body))
         if body.get("crash") == "before":
             raise RuntimeError("a bug")
+        if body.get("early"):
+            return await self.opened_early(request, body["early"])
         if not body.get("stream"):
             return json_response({"n": body.get("n")})
         return StreamedResponse(self.chunks(body), media_type="text/event-stream", headers={"x-engine": "e0"})
@@ -62,6 +65,27 @@ class Handlers:
             yield LastChunk(b"data: [DONE]\n\n")
         finally:
             self.closed.set()
+
+
+    async def opened_early(self, request: TurnHTTPRequest, then: str) -> Response:
+        """As proxy/routes.py does on the engine's 200: the answer opens from a callback, before the
+        handler returns; then the rest of it, or (`whole`) a whole answer of a failure caught late."""
+        assert isinstance(request, InboundTurn)
+        early = request.early_open({"x-engine": "e0"}, lambda: Opening(b"data: first\n\n", None))
+        early.prepare()
+        early.send()  # the engine connection's `on_head`
+        early.send()  # at most once
+        await self.go.wait()
+        if then == "whole" or early.response is None:
+            return json_response({"late": True})
+        early.response.chunks = self.rest(early.opening)
+        return early.response
+
+    async def rest(self, opening: Opening[None] | None) -> AsyncIterator[bytes]:
+        if opening is None or not opening.sent:
+            yield b"data: first\n\n"
+        yield b"data: 1\n\n"
+        yield LastChunk(b"data: [DONE]\n\n")
 
 
 def make_app(h: Handlers) -> ProxyApp:
@@ -262,5 +286,34 @@ async def test_a_slow_reader_holds_the_writer_back() -> None:
             while not got.endswith(b"\r\n0\r\n\r\n"):
                 got += await asyncio.wait_for(reader.read(1 << 20), 5)
             assert got.count(b"data: ") == 5001
+        finally:
+            writer.close()
+
+
+@pytest.mark.parametrize("then", ["rest", "whole"])
+async def test_an_answer_opened_early_leaves_before_the_handler_returns_and_only_once(then: str) -> None:
+    """The engine's 200 opens the answer (head and first chunk, one write) from the engine connection's
+    callback, while the turn's handler has not returned yet; the stream then goes on without either
+    again. A whole answer after that (a failure caught late) cannot follow a stream's head: the
+    connection ends, as when a handler fails after its answer began."""
+    h = Handlers()
+    async with served(make_app(h)) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(post("/v1/chat/completions", {"stream": True, "early": then}))
+            first = await asyncio.wait_for(reader.readuntil(b"data: first\n\n\r\n"), 5)
+            assert first.startswith(b"HTTP/1.1 200 OK\r\n") and b"x-engine: e0\r\n" in first
+            assert b"content-type: text/event-stream" in first and b"transfer-encoding: chunked\r\n" in first
+            h.go.set()  # only now may the handler return
+            rest = await asyncio.wait_for(reader.read(), 5) if then == "whole" else b""
+            if then == "rest":
+                while not rest.endswith(b"0\r\n\r\n"):
+                    rest += await asyncio.wait_for(reader.read(65536), 5)
+                assert rest == b"9\r\ndata: 1\n\n\r\ne\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+                writer.write(post("/v1/chat/completions", {"n": 2}))  # kept alive: the next request is served
+                head, body = await read_answer(reader)
+                assert head.startswith(b"HTTP/1.1 200 OK") and json.loads(body) == {"n": 2}
+            else:
+                assert rest == b""  # no second head, no JSON: the connection ended
         finally:
             writer.close()
