@@ -191,7 +191,7 @@ class EnginePool:
     async def request(self, method: str, path: str, body: bytes,
                       on_head: Callable[[], None] | None = None) -> EngineConnection:
         """`on_head`: called from the connection's data callback the moment a 200 head is in, before
-        this returns (a turn's answer opens then: proxy/turn_http.py `opener`)."""
+        this returns (a turn's answer opens then: proxy/turn_http.py `EarlyOpen`)."""
         head = b"%s %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n" % (
             method.encode(), (self._prefix + path).encode(), self._fixed, len(body))
         retries = 0

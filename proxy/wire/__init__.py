@@ -31,7 +31,7 @@ class LastChunk(bytes):
 class Opening(Generic[W]):
     """A streamed answer's first chunk (OpenAI's role chunk, Anthropic's message_start) and the writer
     that goes on from it. The server's turn exchange may send the chunk with the response head the
-    moment the engine's 200 arrives (proxy/turn_http.py `opener`); `sent` then tells the wire's stream
+    moment the engine's 200 arrives (proxy/turn_http.py `EarlyOpen`); `sent` then tells the wire's stream
     not to send it again."""
 
     __slots__ = ("chunk", "sent", "writer")
