@@ -8,7 +8,7 @@ answered here and never relayed to vLLM.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 
 from fastapi import APIRouter, Request
@@ -63,15 +63,19 @@ async def serve_turn(services: Services, request: TurnHTTPRequest, turn_request:
         headers = {ENGINE_HEADER: held.placement.engine.name}  # placed again: its engine was unreachable
         early = None  # (never sent: only the first engine's 200 opens it)
     if isinstance(held, Queued):  # still waiting for engine capacity: SSE comments until admitted
-        body = held.body(wire.stream, wire.error_event)
-        return StreamedResponse(body, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        return _sse(held.body(wire.stream, wire.error_event), headers)
     if stream:  # `held.close`: the turn is let go even if its client left before the body started
         if early is not None and early.response is not None:
             early.response.chunks, early.response.on_close = wire.stream(held, early.opening), held.close
             return early.response
-        return StreamedResponse(wire.stream(held), media_type="text/event-stream", headers={**SSE_HEADERS, **headers},
-                                on_close=held.close)
+        return _sse(wire.stream(held), headers, on_close=held.close)
     return json_response(await wire.complete(held), headers=headers)
+
+
+def _sse(body: AsyncIterator[bytes], headers: dict[str, str],
+         on_close: Callable[[], None] | None = None) -> StreamedResponse:
+    return StreamedResponse(body, media_type="text/event-stream", headers={**SSE_HEADERS, **headers},
+                            on_close=on_close)
 
 
 class TurnEndpoints:

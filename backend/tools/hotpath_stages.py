@@ -115,7 +115,7 @@ def serve(config: Path) -> None:
     _after(stamps, turn.TurnService, "admit_now", "admitted")
     _before(stamps, engine_http.EngineConnection, "send", "engine request sent")
     _before(stamps, engine_http.EngineConnection, "data_received", "engine head in", lambda self, data: not self.status)
-    # The answer's first bytes leave from the engine connection's callback (turn_http.py `opener`):
+    # The answer's first bytes leave from the engine connection's callback (turn_http.py `EarlyOpen`):
     # the first write (or writelines) of the client's transport after the engine's head.
     for attr in ("write", "writelines"):
         def first_write(self: Any, data: Any, _orig: Any = getattr(server.HeadHoldingTransport, attr)) -> None:
